@@ -1,0 +1,62 @@
+"""What every rollout engine speaks: token ids in, token ids and log-probs out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings of one engine call.
+
+    Args:
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus sampling mass.
+        max_tokens: most new tokens per call (one agent turn).
+        stop: strings that end a turn; the stop string is kept in the output.
+        seed: base seed; request i uses ``seed + i`` so a batch is reproducible.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each sampled token under the sampling policy
+    finish_reason: str  # "stop" (a stop string or EOS) | "length"
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, where reported
+
+
+class RolloutEngine(Protocol):
+    """A generator the DataModule samples trees from."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 n: int = 1) -> list[list[Completion]]:
+        """``n`` completions for each prompt (token ids); result[i][k] is prompt i's k-th."""
+        ...
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-prob of each token given the ones before it (first token: 0.0)."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights with the policy's (names as in the HF state dict)."""
+        ...
+
+    def sleep(self) -> None:
+        """Free accelerator memory between rollout phases (no-op where unsupported)."""
+        ...
+
+    def wake_up(self) -> None:
+        ...
