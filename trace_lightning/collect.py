@@ -1,0 +1,112 @@
+"""One RL iteration's data: budgeted rollout trees, from candidate prompts to training batches.
+
+    candidates ─> predictor ─> root plan ─> bare rollouts ─> predictor on prefixes
+               ─> prefix plan ─> continuations ─> rewards, values ─> advantages ─> batches
+
+Every step spends the same number of leaves whatever the allocator (equal sampling cost);
+what each phase spent (leaves, generated tokens, tool calls) and took (seconds) is kept on
+the ``RolloutStep`` for the monitoring callbacks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from trace_lightning.advantage import assign_advantages
+from trace_lightning.allocators import Allocator
+from trace_lightning.datasets import QAExample
+from trace_lightning.rollout import AgentLoop, Start
+from trace_lightning.tree import Budget, LeafSequence, RolloutTree
+
+# Sets ``node.prediction`` on the given trees: on every root, and on every non-leaf turn node.
+Predict = Callable[[list[RolloutTree]], None]
+
+
+@dataclass
+class RolloutStep:
+    """What one epoch's sampling produced and cost."""
+
+    epoch: int
+    trees: list[RolloutTree]  # trees that got budget (candidates filtered out are not here)
+    candidates: int  # prompts the allocator chose from
+    root_plan: list[int]  # rollouts per candidate (0 = filtered out)
+    sequences: list[LeafSequence]
+    budget: Budget
+    pool_returned: int = 0  # continuations a prompt could not use, spent elsewhere
+    seconds: dict[str, float] = field(default_factory=dict)  # rollout/predict/... wall time
+    cold_start: bool = False
+
+
+def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAExample],
+                 predict: Predict | None, predictor_nodes_seen: int, epoch: int, seed: int,
+                 advantage: str, shard: tuple[int, int] = (0, 1)) -> RolloutStep:
+    """Build one step's trees with ``allocator`` and turn them into training sequences.
+
+    ``predict`` is the shared predictor for ``trace``/``prompt``, or an estimate from extra
+    rollouts for ``oracle`` (see ``oracle_predict``); allocators that need no predictions
+    never call it. ``shard=(rank, world_size)``: every rank plans the same global budget and
+    rolls out the chosen prompts ``rank::world_size``.
+    """
+    seconds: dict[str, float] = {}
+    tic = time.perf_counter()
+    trees = [loop.new_tree(e) for e in candidates]
+    if predict is not None and allocator.uses_predictor:
+        predict(trees)
+    seconds["predict"] = time.perf_counter() - tic
+
+    predictions = [t.root.prediction for t in trees]
+    plan = allocator.plan_roots(predictions if predictions[0] is not None else None,
+                                predictor_nodes_seen)
+    rank, world = shard
+    opened = [(t, m) for t, m in zip(trees, plan.rollouts) if m > 0][rank::world]
+    chosen = [t for t, _ in opened]
+    tic = time.perf_counter()
+    budget = loop.expand([Start(t, 0, m) for t, m in opened], seed=seed)
+    seconds["rollout"] = time.perf_counter() - tic
+
+    pool_returned = 0
+    if allocator.branches:
+        tic = time.perf_counter()
+        if predict is not None and allocator.uses_predictor:
+            predict(chosen)
+        seconds["predict"] += time.perf_counter() - tic
+        prefix_plan = allocator.plan_prefixes(chosen)
+        pool_returned = prefix_plan.pool_returned
+        starts = [Start(t, node, k) for t in chosen
+                  for node, k in prefix_plan.continuations.get(t.tree_id, {}).items() if k > 0]
+        tic = time.perf_counter()
+        budget.add(loop.expand(starts, seed=seed + 1))
+        seconds["rollout"] += time.perf_counter() - tic
+
+    for t in chosen:
+        t.compute_values()
+    sequences = [s for t in chosen for s in t.flatten()]
+    assign_advantages(sequences, chosen, advantage)
+    return RolloutStep(epoch=epoch, trees=chosen, candidates=len(candidates),
+                       root_plan=list(plan.rollouts), sequences=sequences, budget=budget,
+                       pool_returned=pool_returned, seconds=seconds,
+                       cold_start=plan.cold_start)
+
+
+def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:
+    """Success odds estimated by ``samples`` extra rollouts from each node (not counted in any
+    budget): the predictions of a perfect predictor, for the ``oracle`` allocator."""
+
+    def predict(trees: list[RolloutTree]) -> None:
+        probes, targets = [], []
+        for t in trees:
+            for n in [t.root, *t.prefixes()]:
+                if n.prediction is not None:
+                    continue
+                probe = RolloutTree.new(t.tree_id, t.question, t.answers, t.prefix_ids(n.id))
+                probe.root.depth = n.depth  # the turn limit counts from the real depth
+                probes.append(probe)
+                targets.append(n)
+        loop.expand([Start(p, 0, samples) for p in probes], seed=seed)
+        for p, n in zip(probes, targets):
+            rewards = [leaf.reward for leaf in p.leaves()]
+            n.prediction = sum(rewards) / len(rewards)
+
+    return predict

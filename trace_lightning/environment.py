@@ -1,0 +1,163 @@
+"""The ReAct search agent's format (Search-R1 convention) and its environment.
+
+The policy writes ``<think>...</think>`` then either ``<search>query</search>`` (the
+environment appends ``<information>Doc 1(Title: T) text ...</information>`` with the top-k
+passages) or ``<answer>...</answer>``, which ends the episode. A turn is what the engine
+generates until a stop string (``</search>`` or ``</answer>``), EOS or the token limit.
+
+The environment keeps no state beyond the history: any turn-level prefix can be resumed
+from its token ids. Rewards are exact match / token F1 of the final answer against every
+gold alias; a missing, empty or malformed answer earns 0. Only text the policy generated is
+ever parsed, so the instruction's own example ``<answer>`` can never be scored.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from trace_lightning.reward import reward_from_scores, score_answer
+from trace_lightning.retrieval import Passage, Retriever
+
+SEARCH_R1_INSTRUCTION = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first "
+    "every time you get new information. After reasoning, if you find you lack some knowledge, "
+    "you can call a search engine by <search> query </search> and it will return the top "
+    "searched results between <information> and </information>. You can search as many times "
+    "as your want. If you find no further external knowledge needed, you can directly provide "
+    "the answer inside <answer> and </answer>, without detailed illustrations. For example, "
+    "<answer> Beijing </answer>. Question: {question}\n"
+)
+STOP_STRINGS = ["</search>", "</answer>"]
+_TAGS = ("think", "search", "answer", "information")
+_TAG_RE = re.compile(r"</?(think|search|answer|information)>")
+
+
+@dataclass
+class Action:
+    """One parsed turn. ``kind`` is "search", "answer" or "invalid" (with a reason)."""
+
+    kind: Literal["search", "answer", "invalid"]
+    argument: str = ""
+    error: str = ""
+
+
+def parse_turn(text: str) -> Action:
+    """Parse one generated turn; never raises.
+
+    Valid: optional ``<think>...</think>`` blocks, then exactly one ``<search>q</search>`` or
+    ``<answer>a</answer>``, then nothing but whitespace. Everything else is "invalid" with
+    the reason: unclosed or nested tags, two actions, an action only inside ``<think>``, an
+    ``<information>`` block written by the policy, an empty query, no action at all.
+    An empty answer is a (wrong) answer, not a malformed one.
+    """
+    depth_tag: str | None = None
+    pos = 0
+    actions: list[tuple[str, str]] = []
+    content_start = 0
+    trailing = ""
+    for m in _TAG_RE.finditer(text):
+        tag, closing = m.group(1), m.group(0).startswith("</")
+        if depth_tag is None:
+            if closing:
+                return Action("invalid", error=f"</{tag}> without an opening tag")
+            if tag == "information":
+                return Action("invalid", error="the policy wrote an <information> block")
+            if actions:
+                return Action("invalid", error=f"<{tag}> after the action (two actions or text "
+                                               f"after the action)")
+            depth_tag, content_start = tag, m.end()
+        else:
+            if not closing or tag != depth_tag:
+                return Action("invalid", error=f"<{m.group(0)[1:-1]}> inside <{depth_tag}> "
+                                               f"(nested or unclosed tags)")
+            if depth_tag in ("search", "answer"):
+                actions.append((depth_tag, text[content_start:m.start()]))
+            depth_tag = None
+        pos = m.end()
+    trailing = text[pos:]
+    if depth_tag is not None:
+        return Action("invalid", error=f"<{depth_tag}> is never closed")
+    if not actions:
+        return Action("invalid", error="no <search> or <answer> outside <think>")
+    if trailing.strip():
+        return Action("invalid", error="text after the action")
+    kind, arg = actions[0]
+    arg = " ".join(arg.split())
+    if kind == "search" and not arg:
+        return Action("invalid", error="empty search query")
+    return Action(kind, arg)  # type: ignore[arg-type]
+
+
+def format_passages(passages: Sequence[Passage]) -> str:
+    """Search-R1's observation body: ``Doc i(Title: T) text`` lines."""
+    return "".join(f"Doc {i + 1}(Title: {p.title}) {p.text}\n" for i, p in enumerate(passages))
+
+
+class SearchEnvironment:
+    """Prompt, turn parsing, observations and reward of the multi-hop QA search agent.
+
+    Args:
+        tokenizer: the policy's tokenizer (a transformers tokenizer).
+        retriever: where ``<search>`` queries go (BM25 in-process or the HTTP client).
+        topk: passages per search.
+        max_turns: turns before the episode is cut (reward 0, ``max_turns``).
+        max_obs_tokens: an observation's body is cut to this many tokens.
+        max_seq_tokens: a trajectory's total tokens before it is cut (``max_tokens``).
+        instruction: the prompt, with ``{question}``; defaults to Search-R1's.
+        use_chat_template: wrap the prompt in the tokenizer's chat template when it has one.
+        reward: "em", "f1", or "f1_threshold" (1 when F1 >= ``f1_threshold``).
+        f1_threshold: threshold of the "f1_threshold" reward.
+    """
+
+    stop = STOP_STRINGS
+
+    def __init__(self, tokenizer, retriever: Retriever, topk: int = 3, max_turns: int = 4,
+                 max_obs_tokens: int = 256, max_seq_tokens: int = 2048,
+                 instruction: str = SEARCH_R1_INSTRUCTION, use_chat_template: bool = True,
+                 reward: Literal["em", "f1", "f1_threshold"] = "em", f1_threshold: float = 0.3):
+        if "{question}" not in instruction:
+            raise ValueError(f"--data.env.instruction must contain '{{question}}'; got "
+                             f"{instruction[:80]!r}")
+        if reward not in ("em", "f1", "f1_threshold"):
+            raise ValueError(f"--data.env.reward ({reward!r}) must be one of 'em', 'f1', "
+                             f"'f1_threshold'")
+        self.tokenizer = tokenizer
+        self.retriever = retriever
+        self.topk, self.max_turns = topk, max_turns
+        self.max_obs_tokens, self.max_seq_tokens = max_obs_tokens, max_seq_tokens
+        self.instruction, self.use_chat_template = instruction, use_chat_template
+        self.reward_kind, self.f1_threshold = reward, f1_threshold
+        self._obs_open = self._encode("\n\n<information>")
+        self._obs_close = self._encode("</information>\n\n")
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt(self, question: str) -> tuple[list[int], str]:
+        """Token ids and text of the root prompt for ``question``."""
+        text = self.instruction.format(question=question.strip())
+        if self.use_chat_template and self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return self._encode(text), text
+
+    def observe(self, queries: list[str]) -> list[tuple[list[int], str]]:
+        """One batched retriever call; token ids and text of each observation."""
+        if not queries:
+            return []
+        results = self.retriever.search(queries, self.topk)
+        out = []
+        for passages in results:
+            body = self._encode(format_passages(passages))[: self.max_obs_tokens]
+            ids = self._obs_open + body + self._obs_close
+            out.append((ids, self.tokenizer.decode(ids)))
+        return out
+
+    def score(self, action: Action, golds: Sequence[str]) -> tuple[float, float, float]:
+        """(reward, em, f1) of a final action; 0 unless it is an answer."""
+        answer = action.argument if action.kind == "answer" else None
+        em, f1 = score_answer(answer, golds)
+        return reward_from_scores(em, f1, self.reward_kind, self.f1_threshold), em, f1

@@ -1,0 +1,242 @@
+"""TraceModule: the policy, the shared success predictor, and the tree-aware update.
+
+The policy is any transformers causal LM, built in ``configure_model`` so FSDP can shard it.
+The predictor ``V(H)`` steers allocation only: it trains on each step's bottom-up tree values
+(with a replay of recent steps) by its own optimizer and never enters the policy gradient.
+
+Optimisation is manual: one ``training_step`` is one mini-batch of the step's leaves, split
+into token-packed micro-batches whose losses are normalised by the mini-batch's total policy
+tokens, so the gradient is the token-mean over the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal
+
+import lightning as L
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from trace_lightning.collect import RolloutStep
+from trace_lightning.engines.sync import sync_weights
+from trace_lightning.loss import policy_loss, token_logprobs
+from trace_lightning.predictor import (Featuriser, ReplayBuffer, SuccessPredictor,
+                                       fit_predictor, predict_nodes, training_batch)
+from trace_lightning.tree import RolloutTree
+
+AdvantageKind = Literal["tree_grpo", "treepo", "segment", "grpo"]
+
+
+class TraceModule(L.LightningModule):
+    """Policy + shared predictor, trained with TRACE's tree rollouts.
+
+    Args:
+        policy_path: directory of a transformers causal LM and its tokenizer
+            (``save_pretrained``), or a hub name on machines that can download.
+        dtype: the policy's parameter dtype ("float32", "bfloat16").
+        lr: policy learning rate (AdamW).
+        weight_decay: policy weight decay.
+        betas: AdamW betas.
+        max_grad_norm: clip the policy's gradient norm (0 = off).
+        advantage: tree advantage: "tree_grpo" (default), "treepo", "segment", "grpo".
+        clip_low: lower clip of the importance ratio (1 - clip_low).
+        clip_high: upper clip of the importance ratio (1 + clip_high).
+        kl_coef: weight of the k3 KL to a frozen copy of the initial policy (0 = no reference).
+        featuriser: how prefixes become predictor features.
+        predictor_hidden: width of the predictor's hidden layer.
+        predictor_lr: predictor learning rate (AdamW).
+        predictor_epochs: passes over the replay per step.
+        predictor_batch_size: predictor mini-batch size.
+        replay_steps: steps of tree nodes kept for the predictor.
+        gradient_checkpointing: trade compute for memory in the policy.
+    """
+
+    def __init__(self, policy_path: str, dtype: str = "float32", lr: float = 1e-5,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 max_grad_norm: float = 1.0, advantage: AdvantageKind = "tree_grpo",
+                 clip_low: float = 0.2, clip_high: float = 0.28, kl_coef: float = 0.0,
+                 featuriser: Featuriser | None = None, predictor_hidden: int = 256,
+                 predictor_lr: float = 1e-3, predictor_epochs: int = 4,
+                 predictor_batch_size: int = 256, replay_steps: int = 4,
+                 gradient_checkpointing: bool = False):
+        super().__init__()
+        if advantage not in ("tree_grpo", "treepo", "segment", "grpo"):
+            raise ValueError(f"--model.advantage ({advantage!r}): expected one of 'tree_grpo', "
+                             f"'treepo', 'segment', 'grpo'")
+        if not 0 <= clip_low < 1 or clip_high < 0:
+            raise ValueError(f"--model.clip_low ({clip_low}) must be in [0, 1) and "
+                             f"--model.clip_high ({clip_high}) >= 0")
+        self.save_hyperparameters(ignore=["featuriser"])
+        self.automatic_optimization = False
+        self.featuriser = featuriser or Featuriser()
+        self.replay = ReplayBuffer(replay_steps)
+        self.predictor_nodes_seen = 0
+        self.policy: PreTrainedModel | None = None
+        self.reference: PreTrainedModel | None = None
+        self.predictor: SuccessPredictor | None = None
+        self._predictor_stats: dict[str, float] = {}
+
+    # ---- models -------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        dtype = getattr(torch, self.hparams.dtype)
+        try:
+            self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.policy_path,
+                                                               dtype=dtype)
+        except OSError as e:
+            raise FileNotFoundError(
+                f"--model.policy_path ({self.hparams.policy_path!r}) could not be loaded ({e}); "
+                f"give a directory saved with save_pretrained, or set --data.demo so the demo "
+                f"policy is built there") from e
+        if self.hparams.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        if self.hparams.kl_coef > 0:
+            self.reference = AutoModelForCausalLM.from_pretrained(self.hparams.policy_path,
+                                                                  dtype=dtype).eval()
+            self.reference.requires_grad_(False)
+        dim = self.featuriser.feature_dim(self.policy)
+        self.predictor = SuccessPredictor(dim, hidden=self.hparams.predictor_hidden)
+        # The predictor is updated identically on every rank from all ranks' nodes (see
+        # receive_step), so data-parallel wrappers must leave it alone.
+        from torch.nn.parallel import DistributedDataParallel
+
+        names = [f"predictor.{n}" for n, _ in self.predictor.named_parameters()]
+        names += [f"predictor.{n}" for n, _ in self.predictor.named_buffers()]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, names)
+
+    def configure_optimizers(self):
+        h = self.hparams
+        policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=h.lr,
+                                       weight_decay=h.weight_decay, betas=tuple(h.betas))
+        predictor_opt = torch.optim.AdamW(self.predictor.parameters(), lr=h.predictor_lr)
+        return [policy_opt, predictor_opt]
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Whole (unsharded) policy parameters for the rollout phase (FSDP gathers them)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        wrapped = self.trainer.strategy.model if self._trainer is not None else None
+        if isinstance(wrapped, FSDP):
+            with FSDP.summon_full_params(wrapped, writeback=False, recurse=True):
+                yield
+        else:
+            yield
+
+    # ---- called by the DataModule during the rollout phase ------------------------------
+    def sync_to_engine(self, engine, probe: list[list[int]], atol: float) -> float:
+        """Load the policy's weights into ``engine`` and check its log-probs; returns the
+        largest log-prob difference on ``probe`` (raises WeightSyncError above ``atol``)."""
+        with self.full_parameters():
+            return sync_weights(self.policy, engine, probe, atol=atol)
+
+    @torch.no_grad()
+    def predict_trees(self, trees: list[RolloutTree]) -> None:
+        """Set ``node.prediction`` on every root and non-leaf turn of ``trees``."""
+        with self.full_parameters():
+            feats = self.featuriser.nodes(self.policy, trees)
+        predict_nodes(self.predictor, trees, feats)
+
+    def receive_step(self, step: RolloutStep) -> None:
+        """Train the predictor on the step's tree values (all ranks' nodes) plus replay."""
+        with torch.no_grad(), self.full_parameters():
+            feats = self.featuriser.nodes(self.policy, step.trees)
+        batch = _all_gather_batch(training_batch(step.trees, feats), self.trainer)
+        self.replay.add(batch)
+        self.predictor_nodes_seen += len(batch.value)
+        gen = torch.Generator().manual_seed(1000 * self.current_epoch + 17)
+        h = self.hparams
+        self._predictor_stats = fit_predictor(self.predictor, self.optimizers()[1], self.replay,
+                                              h.predictor_epochs, h.predictor_batch_size,
+                                              generator=gen)
+
+    # ---- training -----------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()[0]
+        h = self.hparams
+        n_tokens = max(float(batch["n_tokens"]), 1.0)
+        totals: dict[str, float] = {}
+        total_loss = 0.0
+        for mb in batch["micro"]:
+            logp, entropy = self._logprobs(self.policy, mb, with_entropy=True)  # (B, T) each
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref, _ = self._logprobs(self.reference, mb)  # (B, T)
+            loss, stats = policy_loss(logp, mb["old_logprobs"], mb["advantages"],
+                                      mb["policy_mask"], clip_low=h.clip_low,
+                                      clip_high=h.clip_high, ref_logprobs=ref,
+                                      kl_coef=h.kl_coef, normalizer=n_tokens, entropy=entropy)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"policy loss is {loss.item()} at epoch {self.current_epoch}, mini-batch "
+                    f"{batch_idx}; the step was not applied and no checkpoint was written. "
+                    f"Check rewards and advantages for NaN, or lower --model.lr")
+            self.manual_backward(loss)
+            total_loss += loss.item()
+            w = float(stats["tokens"])
+            for k, v in stats.items():
+                if k != "tokens":
+                    totals[k] = totals.get(k, 0.0) + float(v) * w
+            totals["tokens"] = totals.get("tokens", 0.0) + w
+        if h.max_grad_norm > 0:
+            grad_norm = self.clip_policy_gradients(h.max_grad_norm)
+        else:
+            grad_norm = float("nan")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens = max(totals.pop("tokens", 0.0), 1.0)
+        metrics = {f"train/{k}": v / tokens for k, v in totals.items() if k != "pg_loss"}
+        metrics.update({"train/loss": total_loss, "train/grad_norm": float(grad_norm),
+                        "train/policy_tokens": tokens})
+        if batch_idx == 0:
+            metrics.update(self._predictor_stats)
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        return torch.tensor(total_loss)
+
+    def clip_policy_gradients(self, max_norm: float) -> float:
+        """Clip the policy's gradient norm through the strategy (FSDP-aware)."""
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        wrapped = self.trainer.strategy.model
+        if isinstance(wrapped, FSDP):
+            return float(wrapped.clip_grad_norm_(max_norm))
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    @staticmethod
+    def _logprobs(model, mb: dict, with_entropy: bool = False):
+        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                    use_cache=False)
+        return token_logprobs(out.logits, mb["input_ids"], with_entropy=with_entropy)
+
+    # ---- validation: the DataModule ran the agent; metrics come from the callbacks ------
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
+        return batch
+
+    # ---- checkpoint: predictor replay and counters --------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["trace"] = {"replay": self.replay.state_dict(),
+                               "predictor_nodes_seen": self.predictor_nodes_seen,
+                               "predictor_stats": self._predictor_stats}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint["trace"]
+        self.replay.load_state_dict(state["replay"])
+        self.predictor_nodes_seen = state["predictor_nodes_seen"]
+        self._predictor_stats = state["predictor_stats"]
+
+
+def _all_gather_batch(batch, trainer):
+    """Concatenate every rank's predictor entries (each rank then trains identically)."""
+    if trainer is None or trainer.world_size == 1:
+        return batch
+    import torch.distributed as dist
+
+    parts = [None] * trainer.world_size
+    dist.all_gather_object(parts, tuple(t.cpu() for t in batch))
+    return type(batch)(*(torch.cat(ts) for ts in zip(*parts)))

@@ -1,0 +1,129 @@
+"""The agent loop: many trajectories at once, grown into rollout trees.
+
+Each turn makes one batched engine call for every live trajectory and one batched retriever
+call for every search among them; the observation is appended as token ids. A trajectory
+starts from a node of a tree: from the root it is a new bare rollout, from a turn node it is
+a continuation that resumes that prefix's exact token ids (no re-tokenising, no repeated
+tool calls: the observations are already in the prefix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from trace_lightning.datasets import QAExample
+from trace_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
+from trace_lightning.environment import SearchEnvironment, parse_turn
+from trace_lightning.tree import Budget, RolloutTree
+
+
+@dataclass
+class _Live:
+    tree: RolloutTree
+    node: int  # the node the next turn is appended under
+    rollout: int
+    ids: list[int]  # the exact prefix token ids
+
+
+@dataclass
+class Start:
+    """Grow ``count`` trajectories from ``node`` of ``tree`` (0 = new bare rollouts)."""
+
+    tree: RolloutTree
+    node: int
+    count: int
+
+
+class AgentLoop:
+    """Grows trees with an engine and an environment.
+
+    Args:
+        engine: the rollout engine (vLLM or transformers).
+        env: the search environment (prompt, parsing, retrieval, reward).
+        sampling: sampling settings of every turn (stop strings come from the environment).
+    """
+
+    def __init__(self, engine: RolloutEngine, env: SearchEnvironment, sampling: SamplingConfig):
+        self.engine, self.env = engine, env
+        self.sampling = replace(sampling, stop=list(env.stop))
+
+    def new_tree(self, example: QAExample) -> RolloutTree:
+        ids, text = self.env.prompt(example.question)
+        return RolloutTree.new(example.id, example.question, example.answers, ids, text,
+                               dataset=example.dataset)
+
+    def expand(self, starts: Sequence[Start], seed: int) -> Budget:
+        """Run every trajectory of ``starts`` to its end; returns what the step spent."""
+        rng = np.random.default_rng(seed)
+        live: list[_Live] = []
+        next_rollout: dict[str, int] = {}
+        for s in starts:
+            node = s.tree.nodes[s.node]
+            assert not node.finished, f"cannot continue leaf {s.node} of tree {s.tree.tree_id}"
+            prefix = s.tree.prefix_ids(s.node)
+            if s.node != 0:
+                node.continuations += s.count
+            for _ in range(s.count):
+                if s.node == 0:  # a new bare rollout gets the next free index
+                    j = next_rollout.get(s.tree.tree_id, len(s.tree.root.children))
+                    next_rollout[s.tree.tree_id] = j + 1
+                else:
+                    j = node.rollout
+                live.append(_Live(s.tree, s.node, j, prefix))
+        total = Budget()
+        while live:
+            live = self._turn(live, int(rng.integers(2**31 - 1)), total)
+        return total
+
+    def _turn(self, live: list[_Live], seed: int, total: Budget) -> list[_Live]:
+        outs: list[Completion] = [c[0] for c in self.engine.generate(
+            [t.ids for t in live], replace(self.sampling, seed=seed))]
+        room = [self.env.max_seq_tokens - len(t.ids) for t in live]
+        gen = [list(c.token_ids[:r]) for c, r in zip(outs, room)]  # cut at the context limit
+        actions = [parse_turn(self.env.tokenizer.decode(g)) for g in gen]
+        searching = [i for i, t in enumerate(live) if actions[i].kind == "search"
+                     and t.tree.nodes[t.node].depth + 1 < self.env.max_turns]
+        queries = [actions[i].argument for i in searching]
+        observations = dict(zip(searching, self.env.observe(queries)))
+        still: list[_Live] = []
+        for i, (t, c, g, a) in enumerate(zip(live, outs, gen, actions)):
+            obs_ids, obs_text = observations.get(i, ([], ""))
+            spent = Budget(generated_tokens=len(g), prefill_tokens=len(t.ids),
+                           cached_tokens=c.cached_tokens, tool_calls=int(i in observations))
+            if a.kind != "search":
+                finish = a.kind  # "answer" or "invalid"
+            elif i not in observations:
+                finish = "max_turns"
+            elif len(t.ids) + len(g) + len(obs_ids) >= self.env.max_seq_tokens:
+                finish = "max_tokens"
+            else:
+                finish = ""
+            node = t.tree.add_child(
+                t.node, rollout=t.rollout, token_ids=g + list(obs_ids),
+                logprobs=list(c.logprobs[: len(g)]) + [0.0] * len(obs_ids),
+                policy_mask=[1] * len(g) + [0] * len(obs_ids),
+                text=self.env.tokenizer.decode(g), observation=obs_text, action=a.kind,
+                argument=a.argument if a.kind != "invalid" else a.error,
+                finished=bool(finish), finish_reason=finish)
+            if finish:
+                node.reward, node.em, node.f1 = self.env.score(a, t.tree.answers)
+                spent.leaves = 1
+            else:
+                still.append(_Live(t.tree, node.id, t.rollout, t.ids + node.token_ids))
+            t.tree.budget.add(spent)
+            total.add(spent)
+        return still
+
+
+def sample_trees(engine: RolloutEngine, env: SearchEnvironment, examples: Sequence[QAExample],
+                 n: int, sampling: SamplingConfig, seed: int) -> list[RolloutTree]:
+    """``n`` bare rollouts per example, no branching; rewards and values computed."""
+    loop = AgentLoop(engine, env, sampling)
+    trees = [loop.new_tree(e) for e in examples]
+    loop.expand([Start(t, 0, n) for t in trees], seed)
+    for t in trees:
+        t.compute_values()
+    return trees
