@@ -1,0 +1,172 @@
+"""Hand-checked policy and predictor losses, micro-batch equivalence, token log-probs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trace_lightning.loss import policy_loss, predictor_loss, token_logprobs
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def one_by_four():
+    """1x4 example; token 2 is an observation (mask 0) with ratio exp(50)."""
+    logp = torch.tensor([[-1.0, -0.9, -10.0, -2.5]], requires_grad=True)  # (1, 4)
+    old = torch.tensor([[-1.0, -1.0, -60.0, -2.0]])  # (1, 4)
+    adv = torch.tensor([[1.0, 1.0, 1.0, -1.0]])  # (1, 4)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])  # (1, 4)
+    return logp, old, adv, mask
+
+
+def test_policy_loss_by_hand():
+    logp, old, adv, mask = one_by_four()
+    loss, stats = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    # t0: ratio exp(0) = 1, A = 1 -> pg = -1.
+    # t1: ratio exp(0.1) = 1.105171 in [0.8, 1.28] -> pg = -1.105171.
+    # t2: masked (ratio exp(50) must not matter).
+    # t3: ratio exp(-0.5) = 0.606531, A = -1: max(0.606531, 0.8) = 0.8 (clipped low).
+    # token mean: (-1 - 1.105171 + 0.8) / 3 = -0.435057.
+    assert loss.item() == pytest.approx((-1 - math.exp(0.1) + 0.8) / 3, rel=RTOL, abs=ATOL)
+    assert torch.isfinite(loss)
+    loss.backward()
+    # d pg / d logp = -A ratio where unclipped, 0 where clipped; divided by 3 tokens.
+    expected = torch.tensor([[-1 / 3, -math.exp(0.1) / 3, 0.0, 0.0]])
+    torch.testing.assert_close(logp.grad, expected, rtol=RTOL, atol=ATOL)
+    assert stats["clip_frac_low"].item() == pytest.approx(1 / 3, rel=RTOL)
+    assert stats["clip_frac_high"].item() == 0.0
+    # approx_kl (k1) = mean(old - logp) = (0 + (-0.1) + 0.5) / 3 = 0.133333.
+    assert stats["approx_kl"].item() == pytest.approx(0.4 / 3, rel=RTOL, abs=ATOL)
+    # ratio over mask tokens: mean (1 + 1.105171 + 0.606531)/3 = 0.903901, max 1.105171.
+    assert stats["ratio_mean"].item() == pytest.approx((1 + math.exp(0.1) + math.exp(-0.5)) / 3,
+                                                       rel=RTOL)
+    assert stats["ratio_max"].item() == pytest.approx(math.exp(0.1), rel=RTOL)
+    assert stats["tokens"].item() == 3
+
+
+def test_clip_high_zeroes_gradient_only_for_positive_advantage():
+    # Both tokens: logp - old = 0.5 -> ratio 1.648721 > 1.28.
+    # t0 A = +1: max(-1.648721, -1.28) = -1.28 (clipped high, grad 0).
+    # t1 A = -1: max(1.648721, 1.28) = 1.648721 (unclipped, grad = ratio / 2 tokens = 0.824361).
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)  # (1, 2)
+    old = torch.tensor([[-0.5, -0.5]])  # (1, 2)
+    adv = torch.tensor([[1.0, -1.0]])  # (1, 2)
+    mask = torch.ones(1, 2)  # (1, 2)
+    loss, stats = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx((-1.28 + math.exp(0.5)) / 2, rel=RTOL, abs=ATOL)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, math.exp(0.5) / 2]]),
+                               rtol=RTOL, atol=ATOL)
+    assert stats["clip_frac_high"].item() == pytest.approx(0.5)
+    assert stats["clip_frac_low"].item() == 0.0
+    # Symmetric clip 0.2 -> bound 1.2: t0 still clipped, loss (-1.2 + 1.648721) / 2.
+    loss, _ = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert loss.item() == pytest.approx((-1.2 + math.exp(0.5)) / 2, rel=RTOL, abs=ATOL)
+
+
+def test_kl_term_by_hand():
+    logp, old, adv, mask = one_by_four()
+    # d = ref - logp = [0, 0.5, (masked), -1]; k3 = e^d - d - 1:
+    # t0: 0; t1: 1.648721 - 1.5 = 0.148721; t3: 0.367879 + 1 - 1 = 0.367879. Mean 0.172200.
+    ref = logp.detach() + torch.tensor([[0.0, 0.5, 100.0, -1.0]])  # (1, 4)
+    kl_hand = (0.0 + (math.exp(0.5) - 1.5) + math.exp(-1.0)) / 3
+    pg, _ = policy_loss(logp, old, adv, mask)
+    loss, stats = policy_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1)
+    assert stats["kl_ref"].item() == pytest.approx(kl_hand, rel=RTOL, abs=ATOL)
+    assert loss.item() == pytest.approx(pg.item() + 0.1 * kl_hand, rel=RTOL, abs=ATOL)
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(logp, old, adv, mask, kl_coef=0.1)
+
+
+def test_seq_mean_token_mean_by_hand():
+    # Seq 0: 1 token with pg -1; seq 1: 3 tokens with pg -2 each (ratio 1, A = 2).
+    # token_mean: (-1 - 6) / 4 = -1.75; seq_mean_token_mean: (-1 + -2) / 2 = -1.5.
+    logp = torch.zeros(2, 3)  # (2, 3)
+    adv = torch.tensor([[1.0, 0.0, 0.0], [2.0, 2.0, 2.0]])  # (2, 3)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])  # (2, 3)
+    tm, _ = policy_loss(logp, logp, adv, mask, loss_agg="token_mean")
+    sm, _ = policy_loss(logp, logp, adv, mask, loss_agg="seq_mean_token_mean")
+    assert tm.item() == pytest.approx(-1.75, rel=RTOL)
+    assert sm.item() == pytest.approx(-1.5, rel=RTOL)
+    with pytest.raises(ValueError, match="expected one of"):
+        policy_loss(logp, logp, adv, mask, loss_agg="sum")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_microbatch_sum_equals_full_batch(loss_agg):
+    g = torch.Generator().manual_seed(0)
+    b, t = 6, 10
+    logp = (-torch.rand(b, t, generator=g) * 3).requires_grad_(True)  # (B, T)
+    old = logp.detach() + 0.3 * torch.randn(b, t, generator=g)  # (B, T)
+    adv = torch.randn(b, t, generator=g)  # (B, T)
+    ref = logp.detach() + 0.2 * torch.randn(b, t, generator=g)  # (B, T)
+    mask = (torch.rand(b, t, generator=g) < 0.6).float()  # (B, T)
+    mask[0] = 0.0  # a sequence with no policy tokens must not count
+    kw = dict(kl_coef=0.05, loss_agg=loss_agg)
+    full, _ = policy_loss(logp, old, adv, mask, ref_logprobs=ref, **kw)
+    (full_grad,) = torch.autograd.grad(full, logp)
+    normalizer = mask.sum().item() if loss_agg == "token_mean" else (mask.sum(-1) > 0).sum().item()
+    parts = [slice(0, 2), slice(2, 3), slice(3, 6)]
+    total = sum(policy_loss(logp[s], old[s], adv[s], mask[s], ref_logprobs=ref[s],
+                            normalizer=normalizer, **kw)[0] for s in parts)
+    (part_grad,) = torch.autograd.grad(total, logp)
+    torch.testing.assert_close(total, full, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(part_grad, full_grad, rtol=1e-6, atol=1e-7)
+
+
+def test_entropy_stat_and_nan_safety():
+    logp, old, adv, mask = one_by_four()
+    old = old.clone()
+    old[0, 2] = -1e9  # masked position: exp(logp - old) would overflow
+    ent = torch.tensor([[9.0, 1.0, 100.0, 2.0]])  # (1, 4): mean over mask (9 + 1 + 2)/3 = 4
+    loss, stats = policy_loss(logp, old, adv, mask, entropy=ent)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert stats["entropy"].item() == pytest.approx(4.0, rel=RTOL)
+
+
+def test_token_logprobs_matches_naive():
+    g = torch.Generator().manual_seed(1)
+    b, t, v = 2, 5, 11
+    logits = torch.randn(b, t, v, generator=g)  # (B, T, V)
+    ids = torch.randint(0, v, (b, t), generator=g)  # (B, T)
+    logp, ent = token_logprobs(logits, ids, with_entropy=True)
+    assert logp.shape == ent.shape == (b, t)
+    ls = torch.log_softmax(logits, -1)  # (B, T, V)
+    naive = torch.zeros(b, t)  # (B, T)
+    naive_ent = torch.zeros(b, t)  # (B, T)
+    for i in range(b):
+        for j in range(1, t):  # position j is predicted by logits at j - 1
+            naive[i, j] = ls[i, j - 1, ids[i, j]]
+            naive_ent[i, j] = -(ls[i, j - 1].exp() * ls[i, j - 1]).sum()
+    torch.testing.assert_close(logp, naive, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent, naive_ent, rtol=1e-5, atol=1e-6)
+    assert logp[:, 0].eq(0).all() and ent[:, 0].eq(0).all()
+    # Temperature divides the logits; no entropy unless asked.
+    logp_t, none = token_logprobs(logits, ids, temperature=0.5)
+    assert none is None
+    ls_t = torch.log_softmax(logits / 0.5, -1)  # (B, T, V)
+    torch.testing.assert_close(logp_t[0, 3], ls_t[0, 2, ids[0, 3]], rtol=1e-5, atol=1e-6)
+    # Gradient flows to the logits.
+    logits.requires_grad_(True)
+    token_logprobs(logits, ids)[0].sum().backward()
+    assert logits.grad is not None and logits.grad[:, -1].abs().sum() == 0  # last logit unused
+
+
+def test_predictor_loss_by_hand():
+    pred = torch.tensor([0.2, 0.9, 0.5], requires_grad=True)  # (3,)
+    target = torch.tensor([0.0, 1.0, 0.5])  # (3,)
+    weight = torch.tensor([1.0, 3.0, 2.0])  # (3,)
+    # squared errors 0.04, 0.01, 0; weighted sum 0.04 + 0.03 + 0 = 0.07; / 6 = 0.0116667.
+    loss, stats = predictor_loss(pred, target, weight)
+    assert loss.item() == pytest.approx(0.07 / 6, rel=RTOL, abs=ATOL)
+    # mae: (0.2 + 0.3 + 0) / 6 = 0.0833333.
+    assert stats["mae"].item() == pytest.approx(0.5 / 6, rel=RTOL, abs=ATOL)
+    loss.backward()
+    # d/dp = 2 w (p - y) / sum w = [2*0.2/6, 2*3*(-0.1)/6, 0] = [0.066667, -0.1, 0].
+    torch.testing.assert_close(pred.grad, torch.tensor([0.4 / 6, -0.1, 0.0]), rtol=RTOL, atol=ATOL)
+    unweighted, _ = predictor_loss(pred, target)
+    assert unweighted.item() == pytest.approx(0.05 / 3, rel=RTOL, abs=ATOL)

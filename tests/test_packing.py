@@ -1,0 +1,92 @@
+"""Token-budget packing, mini-batch splits and collation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trace_lightning.packing import collate, pack_microbatches, padding_share, split_minibatches
+from trace_lightning.tree import LeafSequence
+
+
+def seq(n: int, k: int = 0, prompt: int = 2) -> LeafSequence:
+    policy = [0] * min(prompt, n) + [1] * max(n - prompt, 0)
+    return LeafSequence(tree_id=f"t{k}", leaf_id=k, rollout=0, input_ids=[k + 3] * n,
+                        policy_mask=policy, logprobs=[-0.5 * m for m in policy],
+                        reward=float(k % 2), ancestors=[0, 1])
+
+
+def skewed(seed: int = 0, n: int = 64) -> list[LeafSequence]:
+    rng = random.Random(seed)
+    # Mostly short sequences with a long tail, as multi-turn rollouts are.
+    lengths = [rng.choice([rng.randint(8, 40)] * 4 + [rng.randint(200, 400)]) for _ in range(n)]
+    return [seq(length, k) for k, length in enumerate(lengths)]
+
+
+def test_pack_covers_every_index_once_within_budget():
+    seqs = skewed()
+    batches = pack_microbatches(seqs, max_tokens=1024)
+    flat = sorted(i for b in batches for i in b)
+    assert flat == list(range(len(seqs)))
+    for b in batches:
+        assert len(b) * max(len(seqs[i].input_ids) for i in b) <= 1024
+
+
+def test_pack_oversized_sequence_alone():
+    seqs = [seq(10, 0), seq(50, 1), seq(12, 2)]
+    batches = pack_microbatches(seqs, max_tokens=30)
+    # Longest first: [1] alone (50 > 30); then [2, 0]: 2 * 12 = 24 <= 30.
+    assert batches == [[1], [2, 0]]
+    with pytest.raises(ValueError, match="max_tokens"):
+        pack_microbatches(seqs, max_tokens=0)
+
+
+def test_packing_pads_less_than_fixed_size_batches():
+    seqs = skewed()
+    packed = pack_microbatches(seqs, max_tokens=2048)
+    # Naive: same number of micro-batches, fixed size, in arrival order.
+    size = -(-len(seqs) // len(packed))
+    naive = [list(range(i, min(i + size, len(seqs)))) for i in range(0, len(seqs), size)]
+    assert padding_share(packed, seqs) < padding_share(naive, seqs)
+    assert padding_share(packed, seqs) < 0.3 and padding_share(naive, seqs) > 0.5
+    # Hand check: lengths 2 and 4 in one batch: 6 real of 8 slots -> 0.25.
+    assert padding_share([[0, 1]], [seq(2), seq(4)]) == pytest.approx(0.25)
+
+
+def test_split_minibatches_balanced_and_seeded():
+    seqs = skewed(1, 50)
+    groups = split_minibatches(seqs, 4, seed=3)
+    assert sorted(i for g in groups for i in g) == list(range(50))
+    tokens = [sum(len(seqs[i].input_ids) for i in g) for g in groups]
+    assert max(tokens) - min(tokens) <= max(len(s.input_ids) for s in seqs)
+    assert groups == split_minibatches(seqs, 4, seed=3)
+    assert groups != split_minibatches(seqs, 4, seed=4)
+    with pytest.raises(ValueError, match="n_minibatches"):
+        split_minibatches(seqs, 51)
+
+
+def test_collate_shapes_and_masks():
+    a, b = seq(5, 0), seq(3, 1)  # policy masks [0,0,1,1,1] and [0,0,1]
+    out = collate([a, b], pad_id=0, advantages=[[9, 9, 1, 2, 3], [9, 9, 4]])
+    for k in ("input_ids", "attention_mask", "policy_mask", "old_logprobs", "advantages"):
+        assert out[k].shape == (2, 5)
+    assert out["input_ids"].dtype == torch.long
+    assert out["input_ids"][1].tolist() == [4, 4, 4, 0, 0]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert out["policy_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert out["old_logprobs"].tolist() == [[0, 0, -0.5, -0.5, -0.5], [0, 0, -0.5, 0, 0]]
+    # Advantages zeroed off policy tokens (the 9s sit on prompt tokens).
+    assert out["advantages"].tolist() == [[0, 0, 1, 2, 3], [0, 0, 4, 0, 0]]
+    assert out["rewards"].tolist() == [0.0, 1.0]
+    # Without per-token lists, seq.advantage is spread over policy tokens.
+    a.advantage, b.advantage = 0.5, -2.0
+    out = collate([a, b], pad_id=0)
+    assert out["advantages"].tolist() == [[0, 0, 0.5, 0.5, 0.5], [0, 0, -2.0, 0, 0]]
+
+
+def test_collate_rejects_policy_first_token():
+    bad = seq(3, 0, prompt=0)
+    with pytest.raises(ValueError, match="prompt token"):
+        collate([bad], pad_id=0)

@@ -1,0 +1,191 @@
+"""Policy and predictor losses: pure torch, tensors in, ``(loss, stats)`` out.
+
+Alignment (the one convention every tensor here follows): all ``(B, T)`` tensors are aligned
+with ``input_ids``. Position ``t`` holds the quantity of token ``t`` given tokens ``< t``:
+``logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t])``, computed from the model's
+``logits[:, t - 1]`` (the logit at position t-1 predicts token t). Position 0 has no
+prediction: it gets 0 and must be masked out (it is always a prompt token). This matches the
+behaviour log-probs stored in the tree (``LeafSequence.logprobs``) and the engines'
+``prompt_logprobs`` (first token 0.0).
+
+Policy loss (PPO clipped surrogate, DAPO's asymmetric "clip-higher")::
+
+    ratio_t = exp(logp_t - old_t)
+    pg_t    = max(-A_t ratio_t, -A_t clip(ratio_t, 1 - clip_low, 1 + clip_high))
+    kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1       (k3 estimator, optional)
+    loss    = agg(pg) + kl_coef * agg(kl)
+
+over mask tokens only (policy tokens: prompt, observation and padding tokens are out).
+``agg``: ``token_mean`` (DAPO / Dr. GRPO: every token of the mini-batch weighs the same) or
+``seq_mean_token_mean`` (original GRPO: mean per sequence, then over sequences).
+Numerical guards as in verl: ``logp - old`` and ``ref - logp`` are clamped to [-20, 20]
+before ``exp``, and masked positions are zeroed *before* ``exp``, so a masked token with a
+huge ratio can produce neither ``inf * 0 = nan`` nor a gradient.
+
+Micro-batching: pass ``normalizer`` = the whole mini-batch's count (mask tokens for
+``token_mean``, sequences with at least one mask token for ``seq_mean_token_mean``); each
+micro-batch's loss is then its sum divided by that count, and summing the micro-batch losses
+(or accumulating their gradients) gives exactly the mini-batch loss.
+
+Predictor loss: ``sum_i w_i (p_i - y_i)^2 / sum_i w_i`` with ``w`` = leaves below the node.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+LOSS_AGGS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
+_LOG_RATIO_CLAMP = 20.0
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob (and optionally entropy) of each token of ``input_ids`` under ``logits``.
+
+    Args:
+        logits: ``(B, T, V)`` model output on ``input_ids``.
+        input_ids: ``(B, T)`` token ids.
+        with_entropy: also return the entropy of each predictive distribution.
+        temperature: divide the logits by this first (match the sampler's temperature).
+
+    Returns:
+        ``logp (B, T)``: ``logp[:, t] = log softmax(logits[:, t-1])[input_ids[:, t]]``, 0 at t=0.
+        ``entropy (B, T)`` or ``None``: entropy of ``softmax(logits[:, t-1])``, 0 at t=0.
+        Computed in float32 via ``logsumexp`` + ``gather``: no full log-softmax tensor is built
+        (the softmax for the entropy is built once, only when asked for).
+    """
+    shifted = logits[:, :-1].float()  # (B, T-1, V)
+    if temperature != 1.0:
+        shifted = shifted / temperature  # (B, T-1, V)
+    targets = input_ids[:, 1:]  # (B, T-1)
+    lse = torch.logsumexp(shifted, dim=-1)  # (B, T-1)
+    picked = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T-1)
+    logp = F.pad(picked - lse, (1, 0))  # (B, T)
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(shifted, dim=-1)  # (B, T-1, V)
+        ent = lse - (probs * shifted).sum(-1)  # (B, T-1): H = lse - E_p[logit]
+        entropy = F.pad(ent, (1, 0))  # (B, T)
+    return logp, entropy
+
+
+def _agg(values: torch.Tensor, mask: torch.Tensor, loss_agg: str,
+         normalizer: float | None) -> torch.Tensor:
+    """Aggregate ``(B, T)`` values over float ``mask`` tokens; see the module docstring."""
+    if loss_agg == "token_mean":
+        total = (values * mask).sum()  # ()
+        denom = mask.sum() if normalizer is None else normalizer
+    elif loss_agg == "seq_mean_token_mean":
+        per_seq_tokens = mask.sum(-1)  # (B,)
+        per_seq = (values * mask).sum(-1) / per_seq_tokens.clamp(min=1.0)  # (B,)
+        total = per_seq.sum()  # ()
+        denom = (per_seq_tokens > 0).sum() if normalizer is None else normalizer
+    else:
+        raise ValueError(f"loss_agg {loss_agg!r} is unknown; expected one of {LOSS_AGGS}")
+    if not isinstance(denom, torch.Tensor):
+        denom = torch.tensor(float(denom), device=values.device, dtype=values.dtype)
+    return total / denom.to(values.dtype).clamp(min=1.0)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
+                ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
+                loss_agg: LossAgg = "token_mean", normalizer: float | None = None,
+                entropy: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate policy loss with an optional k3 KL penalty to a reference.
+
+    Args:
+        logprobs: ``(B, T)`` current policy log-probs (with grad), aligned with input_ids.
+        old_logprobs: ``(B, T)`` behaviour log-probs (the sampler's).
+        advantages: ``(B, T)`` per-token advantages.
+        mask: ``(B, T)`` 1 on trained (policy) tokens, 0 on prompt/observation/padding.
+        clip_low: ratio is clipped below at ``1 - clip_low`` (for ``A < 0``).
+        clip_high: ratio is clipped above at ``1 + clip_high`` (for ``A > 0``; DAPO: 0.28).
+        ref_logprobs: ``(B, T)`` reference log-probs, for the KL term (``None``: no KL).
+        kl_coef: weight of the k3 KL term (needs ``ref_logprobs`` when > 0).
+        loss_agg: ``token_mean`` or ``seq_mean_token_mean``.
+        normalizer: the mini-batch's token (or sequence) count when this is one micro-batch;
+            ``None`` normalises by this batch's own count.
+        entropy: ``(B, T)`` per-token entropy, only reported in the stats.
+
+    Returns:
+        ``loss`` (scalar) and detached scalar ``stats``: ``pg_loss``, ``clip_frac_low``,
+        ``clip_frac_high``, ``approx_kl`` (k1: mean of old - logp), ``approx_kl_k3``,
+        ``ratio_mean``, ``ratio_max``, ``tokens``, and ``kl_ref`` / ``entropy`` when given.
+        Stats are plain means over this call's mask tokens (not divided by ``normalizer``).
+    """
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef ({kl_coef}) > 0 needs ref_logprobs; pass the reference "
+                         f"model's log-probs or set kl_coef to 0")
+    valid = mask.bool()  # (B, T)
+    m = valid.to(logprobs.dtype)  # (B, T)
+    n_tokens = m.sum().clamp(min=1.0)  # ()
+
+    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))  # (B, T)
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = torch.where(valid, advantages.to(logprobs.dtype), torch.zeros_like(logprobs))  # (B, T)
+    surr = -adv * ratio  # (B, T)
+    surr_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
+    pg = torch.maximum(surr, surr_clipped)  # (B, T)
+    pg_loss = _agg(pg, m, loss_agg, normalizer)  # ()
+    loss = pg_loss
+
+    with torch.no_grad():
+        r = ratio.detach()  # (B, T)
+        low = valid & (adv < 0) & (r < 1.0 - clip_low)  # (B, T): gradient zeroed here
+        high = valid & (adv > 0) & (r > 1.0 + clip_high)  # (B, T): gradient zeroed here
+        neg = -log_ratio.detach()  # (B, T): old - logp
+        stats = {
+            "pg_loss": pg_loss.detach(),
+            "clip_frac_low": (low.to(m.dtype).sum() / n_tokens),
+            "clip_frac_high": (high.to(m.dtype).sum() / n_tokens),
+            "approx_kl": (neg * m).sum() / n_tokens,
+            "approx_kl_k3": ((torch.exp(neg) - neg - 1.0) * m).sum() / n_tokens,
+            "ratio_mean": (r * m).sum() / n_tokens,
+            "ratio_max": torch.where(valid, r, torch.zeros_like(r)).max(),
+            "tokens": m.sum(),
+        }
+
+    if ref_logprobs is not None:
+        d = torch.where(valid, ref_logprobs - logprobs, torch.zeros_like(logprobs))  # (B, T)
+        d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
+        kl = torch.exp(d) - d - 1.0  # (B, T): k3 >= 0
+        kl_loss = _agg(kl, m, loss_agg, normalizer)  # ()
+        stats["kl_ref"] = kl_loss.detach()
+        if kl_coef > 0:
+            loss = loss + kl_coef * kl_loss
+    if entropy is not None:
+        stats["entropy"] = (entropy.detach() * m).sum() / n_tokens
+    return loss, stats
+
+
+def predictor_loss(pred: torch.Tensor, target: torch.Tensor,
+                   weight: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Leaf-count-weighted squared error of the success predictor.
+
+    Args:
+        pred: ``(N,)`` predicted success probabilities.
+        target: ``(N,)`` bottom-up tree values (mean leaf reward below each node).
+        weight: ``(N,)`` leaves below each node (``None``: all 1).
+
+    Returns:
+        ``loss = sum(w (p - y)^2) / sum(w)`` and stats ``mse`` (= loss, detached), ``mae``
+        (weighted), ``n``.
+    """
+    if weight is None:
+        weight = torch.ones_like(target)
+    w = weight.to(pred.dtype)  # (N,)
+    err = pred - target.to(pred.dtype)  # (N,)
+    w_sum = w.sum().clamp(min=1e-12)  # ()
+    loss = (w * err.square()).sum() / w_sum  # ()
+    with torch.no_grad():
+        stats = {"mse": loss.detach(), "mae": (w * err.abs()).sum() / w_sum,
+                 "n": torch.tensor(float(pred.numel()))}
+    return loss, stats

@@ -1,0 +1,136 @@
+"""Token-budget packing: mini-batches for PPO-style updates, micro-batches that fit memory.
+
+- :func:`split_minibatches` splits a step's sequences into ``n`` mini-batches (one optimizer
+  step each) in random order, each sequence going to the mini-batch with the fewest tokens so
+  far: per-mini-batch token totals differ by at most the longest sequence.
+- :func:`pack_microbatches` groups one mini-batch into micro-batches whose padded size
+  ``n_seqs * longest`` stays within ``max_tokens``, longest first, so sequences of similar
+  length share a micro-batch and padding stays small. A sequence longer than ``max_tokens``
+  gets a micro-batch of its own (over budget: the budget is a packing target, not a hard
+  memory limit; truncating would drop the tokens that earned the reward).
+- :func:`collate` right-pads a micro-batch into ``(B, T)`` tensors aligned with ``input_ids``
+  (see :mod:`trace_lightning.loss` for the alignment convention).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+
+import torch
+
+from trace_lightning.tree import LeafSequence
+
+
+def pack_microbatches(seqs: Sequence[LeafSequence], max_tokens: int) -> list[list[int]]:
+    """Indices of ``seqs`` grouped into micro-batches with ``len(batch) * longest <= max_tokens``.
+
+    Sequences are taken longest first (ties by index) and a micro-batch is closed when the next
+    one would overflow; a sequence longer than ``max_tokens`` sits alone. Every index appears
+    exactly once.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens ({max_tokens}) must be >= 1; set the micro-batch token "
+                         f"budget to at least the longest sequence you expect")
+    order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i].input_ids), i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        n = len(seqs[i].input_ids)
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def padding_share(batches: Sequence[Sequence[int]], seqs: Sequence[LeafSequence]) -> float:
+    """Share of padded slots: ``1 - real tokens / sum(len(batch) * longest in batch)``."""
+    real = padded = 0
+    for b in batches:
+        lengths = [len(seqs[i].input_ids) for i in b]
+        if lengths:
+            real += sum(lengths)
+            padded += len(lengths) * max(lengths)
+    return 1.0 - real / padded if padded else 0.0
+
+
+def split_minibatches(seqs: Sequence[LeafSequence], n_minibatches: int,
+                      seed: int = 0) -> list[list[int]]:
+    """Split indices of ``seqs`` into ``n_minibatches`` random groups balanced by tokens.
+
+    Sequences are visited in a seeded random order and each goes to the group with the fewest
+    tokens so far (ties: lowest group index); token totals then differ by at most the longest
+    sequence. Each group is returned in visiting order.
+    """
+    if not 1 <= n_minibatches <= len(seqs):
+        raise ValueError(f"n_minibatches ({n_minibatches}) must be between 1 and the number of "
+                         f"sequences ({len(seqs)}); lower the mini-batch count or sample more")
+    order = list(range(len(seqs)))
+    random.Random(seed).shuffle(order)
+    heap = [(0, g) for g in range(n_minibatches)]  # (tokens, group)
+    groups: list[list[int]] = [[] for _ in range(n_minibatches)]
+    for i in order:
+        tokens, g = heapq.heappop(heap)
+        groups[g].append(i)
+        heapq.heappush(heap, (tokens + len(seqs[i].input_ids), g))
+    return groups
+
+
+def collate(seqs: Sequence[LeafSequence], pad_id: int,
+            advantages: Sequence[Sequence[float]] | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad sequences into tensors.
+
+    Args:
+        seqs: the micro-batch.
+        pad_id: token id used for padding (masked out everywhere).
+        advantages: per-token advantages aligned with each ``input_ids`` (as returned by
+            :func:`trace_lightning.advantage.assign_advantages`); ``None`` spreads each
+            ``seq.advantage`` over its policy tokens.
+
+    Returns:
+        ``input_ids`` (B, T) long, ``attention_mask`` (B, T) long (1 on real tokens),
+        ``policy_mask`` (B, T) float (1 on policy tokens), ``old_logprobs`` (B, T) float,
+        ``advantages`` (B, T) float (0 off policy tokens), ``rewards`` (B,) float.
+    """
+    if not seqs:
+        raise ValueError("collate got no sequences; pack_microbatches never yields an empty batch")
+    if advantages is not None and len(advantages) != len(seqs):
+        raise ValueError(f"advantages has {len(advantages)} rows for {len(seqs)} sequences; pass "
+                         f"the per-token lists aligned with seqs")
+    b, t = len(seqs), max(len(s.input_ids) for s in seqs)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((b, t), dtype=torch.long)  # (B, T)
+    policy_mask = torch.zeros((b, t), dtype=torch.float32)  # (B, T)
+    old_logprobs = torch.zeros((b, t), dtype=torch.float32)  # (B, T)
+    adv = torch.zeros((b, t), dtype=torch.float32)  # (B, T)
+    for i, s in enumerate(seqs):
+        n = len(s.input_ids)
+        if not (len(s.policy_mask) == len(s.logprobs) == n):
+            raise ValueError(f"sequence ({s.tree_id}, {s.leaf_id}) has {n} ids, "
+                             f"{len(s.policy_mask)} mask entries and {len(s.logprobs)} log-probs; "
+                             f"they must be aligned (RolloutTree.flatten makes them so)")
+        if n and s.policy_mask[0]:
+            raise ValueError(f"sequence ({s.tree_id}, {s.leaf_id}) starts with a policy token; "
+                             f"the first token has no prediction, so every sequence must start "
+                             f"with at least one prompt token")
+        input_ids[i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        pm = torch.tensor(s.policy_mask, dtype=torch.float32)  # (n,)
+        policy_mask[i, :n] = pm
+        old_logprobs[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32) * pm
+        if advantages is None:
+            adv[i, :n] = s.advantage * pm
+        else:
+            if len(advantages[i]) != n:
+                raise ValueError(f"advantages[{i}] has {len(advantages[i])} entries for {n} "
+                                 f"tokens of sequence ({s.tree_id}, {s.leaf_id})")
+            adv[i, :n] = torch.tensor(advantages[i], dtype=torch.float32) * pm
+    rewards = torch.tensor([s.reward for s in seqs], dtype=torch.float32)  # (B,)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "policy_mask": policy_mask,
+            "old_logprobs": old_logprobs, "advantages": adv, "rewards": rewards}
