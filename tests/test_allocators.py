@@ -1,0 +1,246 @@
+"""Allocation strategies: equal leaves per step, cold start, exploration, resume, pooling."""
+
+from __future__ import annotations
+
+import pytest
+
+from trace_lightning.allocators import (
+    KINDS,
+    Allocator,
+    PrefixPlan,
+    bare_reward,
+    planned_leaves,
+)
+from trace_lightning.tree import RolloutTree
+
+
+def make_tree(tree_id: str, rollouts: list[tuple[int, float]], prediction: float = 0.5
+              ) -> RolloutTree:
+    """A tree of bare chains: ``(turns, reward)`` per rollout; non-leaf turns get ``prediction``."""
+    t = RolloutTree.new(tree_id, f"question {tree_id}", ["a"], prompt_ids=[1, 2])
+    for j, (turns, reward) in enumerate(rollouts):
+        parent = 0
+        for d in range(turns):
+            last = d == turns - 1
+            node = t.add_child(parent, rollout=j if parent == 0 else None, token_ids=[3],
+                               logprobs=[-0.1], policy_mask=[1], finished=last,
+                               reward=reward if last else None,
+                               prediction=None if last else prediction)
+            parent = node.id
+    return t
+
+
+def trees_for(plan, turns: int = 3) -> list[RolloutTree]:
+    """Alternating rewards, ``turns`` turns per bare rollout, for every opened candidate."""
+    return [make_tree(str(i), [(turns, float(j % 2)) for j in range(m)])
+            for i, m in enumerate(plan.rollouts) if m > 0]
+
+
+def allocator(kind, **kw) -> Allocator:
+    args = dict(roots=8, continuations=2, max_rollouts_per_prompt=6, group_size=4, seed=0)
+    args.update(kw)
+    return Allocator(kind, **args)
+
+
+def predictions(n: int) -> list[float]:
+    return [(0.05 + 0.9 * i / (n - 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("explore", [0.0, 0.5])
+def test_every_kind_spends_the_same_leaves(kind, explore):
+    alloc = allocator(kind, explore_fraction=explore)
+    assert alloc.leaves_per_step == 8 * (1 + 2) == 24
+    plan = alloc.plan_roots(20, predictions(20), predictor_nodes_seen=10**6)
+    trees = trees_for(plan)
+    prefixes = alloc.plan_prefixes(trees, cold_start=plan.cold_start)
+    assert planned_leaves(plan, prefixes) == 24
+    assert prefixes.unspent == 0
+    assert all(m == 0 or 2 <= m <= 6 for m in plan.rollouts)
+    for ti, t in enumerate(trees):  # node.continuations mirrors the plan
+        for n in t.nodes:
+            assert n.continuations == prefixes.continuations.get((ti, n.id), 0)
+
+
+def test_uniform_and_random_tree_schedules():
+    # uniform: L/G = 24/4 = 6 prompts of 4, the first of the list; random_tree: M/G = 2 of 4
+    assert allocator("uniform").plan_roots(10).rollouts == [4] * 6 + [0] * 4
+    plan = allocator("random_tree").plan_roots(10)
+    assert plan.rollouts == [4, 4] + [0] * 8
+    assert not any(plan.random_picks) and not plan.cold_start
+    # random_tree: each prompt gets m_i N = 8 continuations over its 2 * 4 prefixes
+    trees = trees_for(plan)
+    out = allocator("random_tree").plan_prefixes(trees)
+    for ti in range(2):
+        assert sum(c for (t, _), c in out.continuations.items() if t == ti) == 8
+
+
+def test_prompt_kind_filters_by_prediction():
+    # budget L = 24 on v = [0, 1, 0.5, 0.5, 0.5, 0.5, 0.45]: only the five near 0.5 are
+    # worth anything; m_max 6 -> 5 prompts can take all 24 (e.g. 6+6+4+4+4 or 5 x ~5)
+    alloc = allocator("prompt")
+    plan = alloc.plan_roots(7, [0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.45], predictor_nodes_seen=0)
+    assert plan.rollouts[0] == plan.rollouts[1] == 0
+    assert sum(plan.rollouts) == 24
+    assert alloc.plan_prefixes(trees_for(plan)) == PrefixPlan()
+
+
+def test_cold_start_falls_back_to_uniform():
+    for kind, expect in [("prompt", [4] * 6), ("trace", [4] * 2)]:
+        alloc = allocator(kind, cold_start_nodes=100)
+        plan = alloc.plan_roots(10, predictions(10), predictor_nodes_seen=99)
+        assert plan.cold_start
+        assert plan.rollouts == expect + [0] * (10 - len(expect))
+        warm = alloc.plan_roots(10, predictions(10), predictor_nodes_seen=100)
+        assert not warm.cold_start and warm.rollouts != plan.rollouts
+    # a cold trace step branches at random yet spends the budget
+    alloc = allocator("trace", cold_start_nodes=100)
+    plan = alloc.plan_roots(10, None, predictor_nodes_seen=0)  # no predictions needed when cold
+    trees = trees_for(plan)
+    for t in trees:
+        for n in t.prefixes():
+            n.prediction = None  # random prefixes do not read predictions
+    assert planned_leaves(plan, alloc.plan_prefixes(trees, cold_start=True)) == 24
+    # the oracle never cold-starts
+    assert not allocator("oracle", cold_start_nodes=100).plan_roots(
+        10, predictions(10), 0).cold_start
+
+
+def test_exploration_is_seeded_and_disjoint_from_the_solver():
+    # trace, M = 8, explore 0.5 -> floor(0.5 * 8 / 4) = 1 random prompt of 4; solver spends 4
+    def plan(seed):
+        return allocator("trace", explore_fraction=0.5, seed=seed).plan_roots(
+            30, predictions(30), predictor_nodes_seen=0)
+
+    a, b = plan(3), plan(3)
+    assert a == b
+    assert sum(a.random_picks) == 1
+    pick = a.random_picks.index(True)
+    assert a.rollouts[pick] == 4
+    solved = allocator("trace").plan_roots(30, predictions(30))  # the solver alone, budget 8
+    assert sum(m for m, r in zip(a.rollouts, a.random_picks) if not r) == 4
+    assert sum(solved.rollouts) == 8
+    # across seeds the pick moves (30 candidates, one or two solved)
+    assert len({plan(s).random_picks.index(True) for s in range(10)}) > 1
+
+
+def test_state_dict_round_trip_gives_the_same_next_plan():
+    alloc = allocator("trace", explore_fraction=0.5, seed=11)
+    alloc.plan_roots(30, predictions(30))
+    state = alloc.state_dict()
+    first = alloc.plan_roots(30, predictions(30))
+    first_prefixes = alloc.plan_prefixes(trees_for(first), cold_start=True)  # RNG draws too
+    fresh = allocator("trace", explore_fraction=0.5, seed=999)
+    fresh.load_state_dict(state)
+    assert fresh.plan_roots(30, predictions(30)) == first
+    assert fresh.plan_prefixes(trees_for(first), cold_start=True) == first_prefixes
+
+
+def test_single_turn_prompt_returns_its_budget_to_the_pool():
+    alloc = allocator("trace")
+    # prompt 0: two single-turn rollouts (no prefixes); prompt 1: two 3-turn rollouts
+    trees = [make_tree("a", [(1, 0.0), (1, 1.0)]), make_tree("b", [(3, 0.0), (3, 1.0)])]
+    out = alloc.plan_prefixes(trees)
+    assert out.pool_returned == 2 * 2  # m_0 N = 4
+    assert out.unspent == 0
+    assert all(ti == 1 for ti, _ in out.continuations)
+    assert out.leaves == (2 + 2) * 2
+    # random_tree pools the same way
+    out = allocator("random_tree").plan_prefixes(
+        [make_tree("a", [(1, 0.0)] * 4), make_tree("b", [(2, 0.0)] * 4)])
+    assert out.pool_returned == 8 and out.leaves == 16 and out.unspent == 0
+    # nothing to branch from anywhere: the whole budget is reported unspent
+    out = alloc.plan_prefixes([make_tree("a", [(1, 0.0), (1, 1.0)])])
+    assert out.leaves == 0 and out.unspent == 4 and out.pool_returned == 4
+
+
+def test_trace_branches_failures_where_success_looked_likely():
+    # one tree, three 2-turn bare rollouts (one prefix each), N = 1 -> budget 3, no cap.
+    # rollout 0 failed (r=0), p=0.9: q = 0.1, gains 0.9, 0.09, 0.009, ...
+    # rollout 1 failed (r=0), p=0.1: q = 0.9, gains 0.1, 0.09, ...
+    # rollout 2 succeeded (r=1), p=0.9: q = 0.9, gains 0.1, 0.09, ...
+    # greedy: 0.9 (r0); 0.1 (r1; tie with r2 by index); 0.1 (r2) -> one each at budget 3.
+    alloc = allocator("trace", continuations=1, roots=2, group_size=2)
+    t = make_tree("x", [(2, 0.0), (2, 0.0), (2, 1.0)])
+    for n in t.prefixes():
+        n.prediction = {0: 0.9, 1: 0.1, 2: 0.9}[n.rollout]
+    assert [bare_reward(t, j) for j in range(3)] == [0.0, 0.0, 1.0]
+    out = alloc.plan_prefixes([t])
+    assert {t.nodes[i].rollout: c for (_, i), c in out.continuations.items()} == {0: 1, 1: 1, 2: 1}
+    # two failed rollouts, p = 0.2 vs 0.8 (q = 0.8 vs 0.2, first gains 0.2 vs 0.8), budget 2:
+    # 0.8 (high p), then 0.2 (low p, first unit) beats 0.16 (high p, second unit) -> [1, 1]
+    # (the single-unit case, where only the high-p failure is branched, is the next test)
+    two = make_tree("y", [(2, 0.0), (2, 0.0)])
+    for n in two.prefixes():
+        n.prediction = {0: 0.2, 1: 0.8}[n.rollout]
+    out = alloc.plan_prefixes([two])
+    assert {two.nodes[i].rollout: c for (_, i), c in out.continuations.items()} == {0: 1, 1: 1}
+
+
+def test_unfinished_bare_rollout_is_rejected():
+    t = make_tree("v", [(2, 0.0), (2, 0.0)])
+    t.nodes[t.bare_rollouts()[0]].children.clear()  # chain cut before its leaf
+    with pytest.raises(ValueError, match="stops at unfinished node"):
+        allocator("trace").plan_prefixes([t])
+
+
+def test_trace_prefers_high_p_failure_with_one_unit():
+    # a tree with one bare rollout (budget 1 * N, N = 1) holding two prefixes of a failure:
+    # turn 1 predicted 0.3 (q = 0.7, gain 0.3), turn 2 predicted 0.9 (q = 0.1, gain 0.9)
+    alloc = allocator("trace", continuations=1, roots=2, group_size=2)
+    t = make_tree("u", [(3, 0.0)])
+    t.nodes[1].prediction, t.nodes[2].prediction = 0.3, 0.9
+    out = alloc.plan_prefixes([t])
+    assert out.continuations == {(0, 2): 1}
+    assert t.nodes[2].continuations == 1 and t.nodes[1].continuations == 0
+    # and a lucky success: turn 1 predicted 0.2 (q = 0.2, gain 0.8) beats turn 2 at 0.7 (0.3)
+    t = make_tree("s", [(3, 1.0)])
+    t.nodes[1].prediction, t.nodes[2].prediction = 0.2, 0.7
+    assert alloc.plan_prefixes([t]).continuations == {(0, 1): 1}
+
+
+def test_trace_needs_predictions_on_prefixes():
+    t = make_tree("p", [(2, 0.0), (2, 1.0)])
+    t.nodes[1].prediction = None
+    with pytest.raises(ValueError, match="no prediction"):
+        allocator("trace").plan_prefixes([t])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kind="grpo"), r"kind \('grpo'\) is unknown; expected one of uniform, random_tree"),
+    (dict(roots=1), r"roots \(1\) must be >= 2"),
+    (dict(continuations=-1), r"continuations \(-1\) must be >= 0"),
+    (dict(continuations=0), r"--data.allocator.continuations \(0\) must be >= 1 when kind is "
+                            r"'trace'; set it or use kind 'prompt'"),
+    (dict(kind="random_tree", continuations=0), r"when kind is 'random_tree'"),
+    (dict(group_size=1), r"group_size \(1\) must be >= 2"),
+    (dict(max_rollouts_per_prompt=1), r"max_rollouts_per_prompt \(1\) must be >= 2"),
+    (dict(group_size=8), r"group_size \(8\) exceeds"),
+    (dict(kind="random_tree", roots=6), r"roots \(6\) must be a multiple of "
+                                        r"--data.allocator.group_size \(4\)"),
+    (dict(kind="uniform", roots=5, continuations=1),
+     r"--data.allocator.roots \* \(1 \+ --data.allocator.continuations\) \(10\) must be a "
+     r"multiple"),
+    (dict(roots=6, cold_start_nodes=10), r"cold start plans uniformly"),
+    (dict(explore_fraction=1.0), r"explore_fraction \(1.0\) must be in \[0, 1\)"),
+    (dict(max_continuations_per_prefix=0), r"max_continuations_per_prefix \(0\) must be >= 1"),
+    (dict(prompts_per_step=1), r"cannot be spent exactly"),
+    (dict(kind="uniform", prompts_per_step=2), r"prompts_per_step \(2\) is below the 6 prompts"),
+    (dict(max_rollouts_per_prompt=2, group_size=2, roots=7, continuations=1),
+     r"cannot be spent exactly"),
+])
+def test_bad_arguments_name_the_flag(kw, match):
+    kind = kw.pop("kind", "trace")
+    with pytest.raises(ValueError, match=match):
+        allocator(kind, **kw)
+
+
+def test_too_few_candidates_name_the_pool_flag():
+    with pytest.raises(ValueError, match=r"--data.candidates_per_step \(5\) is below the 6"):
+        allocator("uniform").plan_roots(5)
+    with pytest.raises(ValueError, match=r"--data.candidates_per_step \(1\) is too small"):
+        allocator("trace").plan_roots(1, [0.5])  # 1 prompt x 6 rollouts < 8
+    with pytest.raises(ValueError, match=r"leaves 0 prompts outside"):
+        allocator("trace", explore_fraction=0.5).plan_roots(2, [0.5, 0.5])
+    with pytest.raises(ValueError, match=r"one prediction per candidate \(3\), got 2 values"):
+        allocator("trace").plan_roots(3, [0.5, 0.5])
