@@ -64,7 +64,10 @@ def test_split_minibatches_balanced_and_seeded():
     assert groups == split_minibatches(seqs, 4, seed=3)
     assert groups != split_minibatches(seqs, 4, seed=4)
     with pytest.raises(ValueError, match="n_minibatches"):
-        split_minibatches(seqs, 51)
+        split_minibatches(seqs, 0)
+    # More mini-batches than sequences: every sequence alone, the rest empty.
+    small = split_minibatches(seqs[:2], 4, seed=0)
+    assert len(small) == 4 and sorted(len(g) for g in small) == [0, 0, 1, 1]
 
 
 def test_collate_shapes_and_masks():

@@ -54,9 +54,10 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: 
 
     Returns:
         ``logp (B, T)``: ``logp[:, t] = log softmax(logits[:, t-1])[input_ids[:, t]]``, 0 at t=0.
-        ``entropy (B, T)`` or ``None``: entropy of ``softmax(logits[:, t-1])``, 0 at t=0.
+        ``entropy (B, T)`` or ``None``: entropy of ``softmax(logits[:, t-1])``, 0 at t=0;
+        detached (for logging; there is no entropy bonus, so no graph is kept for it).
         Computed in float32 via ``logsumexp`` + ``gather``: no full log-softmax tensor is built
-        (the softmax for the entropy is built once, only when asked for).
+        (the softmax for the entropy is built once, under ``no_grad``, only when asked for).
     """
     shifted = logits[:, :-1].float()  # (B, T-1, V)
     if temperature != 1.0:
@@ -67,8 +68,9 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: 
     logp = F.pad(picked - lse, (1, 0))  # (B, T)
     entropy = None
     if with_entropy:
-        probs = torch.softmax(shifted, dim=-1)  # (B, T-1, V)
-        ent = lse - (probs * shifted).sum(-1)  # (B, T-1): H = lse - E_p[logit]
+        with torch.no_grad():  # a statistic: nothing (B, T-1, V) is kept for backward
+            probs = torch.softmax(shifted, dim=-1)  # (B, T-1, V)
+            ent = lse - (probs * shifted).sum(-1)  # (B, T-1): H = lse - E_p[logit]
         entropy = F.pad(ent, (1, 0))  # (B, T)
     return logp, entropy
 

@@ -66,11 +66,13 @@ def split_minibatches(seqs: Sequence[LeafSequence], n_minibatches: int,
 
     Sequences are visited in a seeded random order and each goes to the group with the fewest
     tokens so far (ties: lowest group index); token totals then differ by at most the longest
-    sequence. Each group is returned in visiting order.
+    sequence. Each group is returned in visiting order. With fewer sequences than
+    ``n_minibatches`` (a rank's small shard) the extra groups are empty, so every rank still
+    gets ``n_minibatches`` groups.
     """
-    if not 1 <= n_minibatches <= len(seqs):
-        raise ValueError(f"n_minibatches ({n_minibatches}) must be between 1 and the number of "
-                         f"sequences ({len(seqs)}); lower the mini-batch count or sample more")
+    if n_minibatches < 1:
+        raise ValueError(f"n_minibatches ({n_minibatches}) must be >= 1; set the number of "
+                         f"optimizer steps per RL step to at least 1")
     order = list(range(len(seqs)))
     random.Random(seed).shuffle(order)
     heap = [(0, g) for g in range(n_minibatches)]  # (tokens, group)
