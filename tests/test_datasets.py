@@ -1,0 +1,96 @@
+"""QA loading (real HotpotQA/2Wiki/NQ files and FlashRAG's form), errors, and the stable split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trace_lightning.datasets import QAExample, load_qa, split_train_val
+
+
+def write_jsonl(path, records) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+
+
+def test_load_real_hotpotqa_dev(shared_data):
+    examples = load_qa(shared_data / "hotpotqa" / "dev_distractor.jsonl")
+    assert len(examples) == 1350 and len({e.id for e in examples}) == 1350
+    assert examples[0] == QAExample(
+        id="5a8b57f25542995d1e6f1371",
+        question="Were Scott Derrickson and Ed Wood of the same nationality?",
+        answers=["yes"], dataset="hotpotqa", supporting_titles=["Scott Derrickson", "Ed Wood"])
+    assert all(e.dataset == "hotpotqa" and e.answers and len(e.supporting_titles) == 2
+               for e in examples)
+
+
+def test_load_real_2wiki_dev_and_nq_with_limit(shared_data):
+    examples = load_qa(shared_data / "2wikimultihopqa" / "dev.jsonl")
+    assert len(examples) == 164
+    first = examples[0]
+    assert (first.question, first.answers, first.dataset) == (
+        "Who was born earlier, Silas Hardy or Lee Mantle?", ["Lee Mantle"], "2wikimultihopqa")
+    nq = load_qa(shared_data / "nq" / "test_1k.jsonl", limit=10)
+    assert len(nq) == 10 and nq[0].id == "nq_test_3283" and nq[0].answers == ["Jesus Christ"]
+    assert nq[0].supporting_titles == [] and load_qa(shared_data / "nq" / "test_1k.jsonl",
+                                                     limit=0) == []
+
+
+def test_flashrag_form(tmp_path):
+    folder = tmp_path / "musique"
+    folder.mkdir()
+    path = folder / "dev.jsonl"
+    write_jsonl(path, [
+        {"id": "test_0", "question": "Who wrote Hamlet?", "golden_answers": ["Shakespeare",
+                                                                            "William Shakespeare"],
+         "metadata": {"supporting_facts": {"title": ["Hamlet", "Hamlet"], "sent_id": [0, 2]}}},
+        "",  # blank lines are skipped
+        {"id": 1, "question": "How many legs has a spider?", "golden_answers": [8, " "]},
+        {"id": "x", "question": "Named?", "golden_answers": ["yes"], "dataset": "strategyqa"},
+    ])
+    a, b, c = load_qa(path)
+    assert a == QAExample("test_0", "Who wrote Hamlet?", ["Shakespeare", "William Shakespeare"],
+                          "musique", ["Hamlet"])  # dataset from the folder; titles de-duplicated
+    assert (b.id, b.answers) == ("1", ["8"])  # numbers become strings, blank aliases dropped
+    assert c.dataset == "strategyqa"  # the record's own field wins
+    assert [e.dataset for e in load_qa(path, dataset="mq")] == ["mq", "mq", "strategyqa"]
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ('{"id": "2", "question": "Q?", "answers": ["a"]', r"dev\.jsonl:3 is not JSON"),
+    ('{"id": "2", "question": "  ", "answers": ["a"]}', r"dev\.jsonl:3 \(id '2'\) has an empty"),
+    ('{"id": "2", "question": "Q?", "answers": []}', r"dev\.jsonl:3 \(id '2'\) has no non-empty"),
+    ('{"id": "2", "question": "Q?", "answers": [""]}', r"dev\.jsonl:3 \(id '2'\) has no non-empty"),
+    ('{"id": "2", "question": "Q?"}', r"dev\.jsonl:3 \(id '2'\): \"golden_answers\" must be"),
+    ('{"id": "2", "question": "Q?", "answers": "a"}', r"dev\.jsonl:3 \(id '2'\): \"answers\" must"),
+    ('{"question": "Q?", "answers": ["a"]}', r"dev\.jsonl:3 has no string \"id\""),
+    ('["a"]', r"dev\.jsonl:3 is a JSON list"),
+    ('{"id": "1", "question": "Q?", "answers": ["a"]}', r"dev\.jsonl:3 repeats id '1' of line 1"),
+])
+def test_malformed_lines_are_named(tmp_path, bad_line, message):
+    path = tmp_path / "dev.jsonl"
+    write_jsonl(path, [{"id": "1", "question": "Q?", "answers": ["a"]}, "", bad_line])
+    with pytest.raises(ValueError, match=message):
+        load_qa(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"QA file .*absent\.jsonl does not exist"):
+        load_qa(tmp_path / "absent.jsonl")
+
+
+def test_split_is_stable_disjoint_and_near_the_fraction(shared_data):
+    examples = load_qa(shared_data / "hotpotqa" / "dev_distractor.jsonl")
+    train, val = split_train_val(examples, val_fraction=0.1, seed=0)
+    assert {e.id for e in train}.isdisjoint(e.id for e in val)
+    assert len(train) + len(val) == len(examples)
+    # Binomial(1350, 0.1): mean 135, sd sqrt(1350 * 0.1 * 0.9) = 11; allow 3 sd
+    assert 135 - 33 <= len(val) <= 135 + 33
+    assert split_train_val(examples, 0.1, seed=0) == (train, val)  # deterministic
+    assert [e.id for e in val] != [e.id for e in split_train_val(examples, 0.1, seed=1)[1]]
+    # adding examples does not move the others: split a subset, then the whole
+    _, val_subset = split_train_val(examples[:500], 0.1, seed=0)
+    assert val_subset == [e for e in val if e in examples[:500]]
+    assert split_train_val(examples, 0.0, seed=0) == (examples, [])
+    with pytest.raises(ValueError, match="val_fraction"):
+        split_train_val(examples, 1.5, seed=0)

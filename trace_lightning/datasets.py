@@ -1,0 +1,128 @@
+"""Question-answer data: one loader for our JSONL schema and FlashRAG/Search-R1's, and a
+stable train/validation split.
+
+Our schema (``../shared/data``): ``{"id", "question", "answers": [gold, *aliases], "dataset",
+"supporting_titles", ...}``. FlashRAG's: ``{"id", "question", "golden_answers": [...],
+"metadata": {...}}``; its HotpotQA files keep supporting facts as
+``metadata.supporting_facts.title``. Unknown fields are ignored.
+
+The split puts an example in validation when a hash of ``(seed, id)`` falls below
+``val_fraction``, so each example's side depends on its own id only: adding or removing
+other examples never moves it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_SCHEMA = ('each line must be a JSON object {"id", "question", "answers": [str, ...]} '
+           '(or FlashRAG\'s "golden_answers" instead of "answers")')
+
+
+@dataclass
+class QAExample:
+    """One question with every accepted answer (``answers[0]`` is the gold one)."""
+
+    id: str
+    question: str
+    answers: list[str]
+    dataset: str
+    supporting_titles: list[str] = field(default_factory=list)  # [] where the file has none
+
+
+def _supporting_titles(record: dict) -> list[str]:
+    titles = record.get("supporting_titles")
+    if titles is None:
+        facts = (record.get("metadata") or {}).get("supporting_facts")
+        titles = facts.get("title") if isinstance(facts, dict) else None
+    if not isinstance(titles, list):
+        return []
+    return list(dict.fromkeys(t for t in titles if isinstance(t, str)))
+
+
+def _parse(record: object, where: str, dataset: str) -> QAExample:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object; {_SCHEMA}")
+    qid = record.get("id")
+    if isinstance(qid, int) and not isinstance(qid, bool):
+        qid = str(qid)
+    if not isinstance(qid, str) or not qid:
+        raise ValueError(f"{where} has no string \"id\" (got {qid!r}); {_SCHEMA}")
+    question = record.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"{where} (id {qid!r}) has an empty or missing \"question\" "
+                         f"({question!r}); {_SCHEMA}")
+    key = "answers" if "answers" in record else "golden_answers"
+    raw = record.get(key)
+    if not isinstance(raw, list) or not all(
+            isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in raw):
+        raise ValueError(f"{where} (id {qid!r}): \"{key}\" must be a list of strings, got "
+                         f"{json.dumps(raw)[:100]}; {_SCHEMA}")
+    answers = [str(a) for a in raw if str(a).strip()]
+    if not answers:
+        raise ValueError(f"{where} (id {qid!r}) has no non-empty answer in \"{key}\" "
+                         f"({raw!r}); every question needs at least one gold answer")
+    name = record.get("dataset")
+    return QAExample(id=qid, question=question, answers=answers,
+                     dataset=name if isinstance(name, str) and name else dataset,
+                     supporting_titles=_supporting_titles(record))
+
+
+def load_qa(path: str | os.PathLike, dataset: str | None = None,
+            limit: int | None = None) -> list[QAExample]:
+    """Read a QA JSONL (our schema or FlashRAG's), in file order; blank lines are skipped.
+
+    Args:
+        path: the JSONL file.
+        dataset: name for records without a "dataset" field; None = the file's folder name.
+        limit: keep the first ``limit`` examples only; None = all.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"QA file {path} does not exist; pass a JSONL of QA records, "
+                                f"e.g. ../shared/data/hotpotqa/dev_distractor.jsonl")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit ({limit}) must be >= 0 or None (all examples)")
+    fallback = dataset or path.resolve().parent.name
+    examples: list[QAExample] = []
+    first_line: dict[str, int] = {}
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if limit is not None and len(examples) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not JSON ({e}); {_SCHEMA}") from None
+            example = _parse(record, where, fallback)
+            if example.id in first_line:
+                raise ValueError(f"{where} repeats id {example.id!r} of line "
+                                 f"{first_line[example.id]}; ids must be unique (the "
+                                 f"train/val split and the logs key on them)")
+            first_line[example.id] = line_no
+            examples.append(example)
+    return examples
+
+
+def _unit_hash(seed: int, example_id: str) -> float:
+    """A number in [0, 1) fixed by (seed, id)."""
+    digest = hashlib.sha256(f"{seed}\x00{example_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64
+
+
+def split_train_val(examples: list[QAExample], val_fraction: float,
+                    seed: int) -> tuple[list[QAExample], list[QAExample]]:
+    """(train, val), each in input order; ``val`` holds about ``val_fraction`` of examples."""
+    if not 0.0 <= val_fraction <= 1.0:
+        raise ValueError(f"val_fraction ({val_fraction}) must be in [0, 1]")
+    train, val = [], []
+    for example in examples:
+        (val if _unit_hash(seed, example.id) < val_fraction else train).append(example)
+    return train, val
