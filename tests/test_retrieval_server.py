@@ -1,0 +1,230 @@
+"""The Search-R1 retrieval API over real HTTP on 127.0.0.1: server, client, limits, failures."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from trace_lightning.datasets import load_qa
+from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Passage, RetrieverError
+from trace_lightning.retrieval.server import serve_in_thread
+
+LIMITS = {"max_queries": 8, "max_query_chars": 200, "topk_max": 20}
+
+
+@pytest.fixture(scope="module")
+def wiki_retriever(shared_data, tmp_path_factory) -> BM25Retriever:
+    return BM25Retriever(str(shared_data / "2wikimultihopqa" / "corpus.jsonl"),
+                         cache_dir=str(tmp_path_factory.mktemp("bm25-2wiki")))
+
+
+@pytest.fixture(scope="module")
+def server_url(wiki_retriever):
+    server, url = serve_in_thread(wiki_retriever, **LIMITS)
+    yield url
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def questions(shared_data) -> list[str]:
+    return [e.question for e in load_qa(shared_data / "2wikimultihopqa" / "dev.jsonl", limit=10)]
+
+
+def post(url: str, body: bytes, path: str = "/retrieve") -> tuple[int, dict]:
+    """Raw POST -> (status, parsed JSON body), 4xx/5xx included."""
+    request = urllib.request.Request(url + path, data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_handler(handler: type[BaseHTTPRequestHandler]):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_client_results_equal_in_process_results(wiki_retriever, server_url, questions):
+    client = HTTPRetriever(server_url, batch_size=4)  # 10 queries -> requests of 4, 4, 2
+    client.check()
+    remote = client.search(questions, 5)
+    assert remote == wiki_retriever.search(questions, 5)  # ids, titles, texts and scores
+    assert all(len(ps) == 5 and ps[0].score > 0 for ps in remote)
+    # a URL ending in /retrieve (Search-R1 configs) is accepted too
+    assert HTTPRetriever(server_url + "/retrieve").search(questions[:1], 2) == [remote[0][:2]]
+    assert client.search([], 3) == []
+
+
+def test_response_shapes_with_and_without_scores(wiki_retriever, server_url, questions):
+    status, scored = post(server_url, json.dumps(
+        {"queries": questions[:2], "topk": 3, "return_scores": True}).encode())
+    assert status == 200 and len(scored["result"]) == 2
+    hit = scored["result"][0][0]
+    assert set(hit) == {"document", "score"} and set(hit["document"]) == {"id", "contents"}
+    best = wiki_retriever.search(questions[:1], 1)[0][0]
+    assert hit["document"]["contents"] == f'"{best.title}"\n{best.text}'
+    assert hit["score"] == pytest.approx(best.score)
+    status, bare = post(server_url, json.dumps(
+        {"queries": questions[:2], "topk": 3, "return_scores": False}).encode())
+    assert status == 200
+    assert bare["result"] == [[h["document"] for h in hits] for hits in scored["result"]]
+    with urllib.request.urlopen(server_url + "/health", timeout=10) as response:
+        assert json.loads(response.read()) == {"status": "ok", "documents": 1294}
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "not JSON"),
+    (b"[1, 2]", 400, "JSON list"),
+    (json.dumps({"topk": 3}).encode(), 400, '"queries" must be a list of strings'),
+    (json.dumps({"queries": "one string"}).encode(), 400, '"queries" must be a list'),
+    (json.dumps({"queries": ["q"] * 9}).encode(), 413, "9 queries in one request; this server "
+                                                       "takes at most 8"),
+    (json.dumps({"queries": ["x" * 201]}).encode(), 413, "201 characters"),
+    (json.dumps({"queries": ["q"], "topk": 21}).encode(), 400, "[1, 20]"),
+    (json.dumps({"queries": ["q"], "topk": 0}).encode(), 400, "[1, 20]"),
+    (json.dumps({"queries": ["q"], "topk": "3"}).encode(), 400, "topk"),
+    (json.dumps({"queries": ["q"], "return_scores": "yes"}).encode(), 400, "return_scores"),
+])
+def test_bad_requests_are_refused_and_the_server_keeps_serving(server_url, questions, body,
+                                                               status, message):
+    got_status, got = post(server_url, body)
+    assert got_status == status and message in got["error"]
+    ok_status, ok = post(server_url, json.dumps({"queries": questions[:1], "topk": 2}).encode())
+    assert ok_status == 200 and len(ok["result"][0]) == 2
+
+
+def test_unknown_path_is_404(server_url):
+    assert post(server_url, b"{}", path="/search")[0] == 404
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(server_url + "/nothing", timeout=10)
+    assert info.value.code == 404 and "unknown path" in json.loads(info.value.read())["error"]
+
+
+def test_client_raises_a_4xx_at_once_with_the_servers_message(server_url):
+    client = HTTPRetriever(server_url, retries=5, backoff_s=2.0)
+    start = time.monotonic()
+    with pytest.raises(RetrieverError, match=r"HTTP 400: \"topk\" must be an integer in \[1, 20\]"):
+        client.search(["q"], 50)
+    assert time.monotonic() - start < 2.0  # not retried: no 2 s backoff was slept
+
+
+def test_server_that_is_down_fails_after_retries_in_bounded_time():
+    url = f"http://127.0.0.1:{free_port()}"
+    client = HTTPRetriever(url, timeout_s=1.0, retries=2, backoff_s=0.05)
+    start = time.monotonic()
+    with pytest.raises(RetrieverError) as info:
+        client.search(["who"], 3)
+    elapsed = time.monotonic() - start
+    # 3 attempts of at most timeout_s each, backoffs 0.05 + 0.1, plus slack for a busy machine
+    assert elapsed < 3 * 1.0 + 0.15 + 2.0
+    message = str(info.value)
+    assert url in message and "3 attempt(s)" in message and "cannot connect" in message
+    assert "trace-lightning-retriever --corpus" in message and "--data.retriever_url" in message
+    with pytest.raises(RetrieverError, match="3 attempt"):
+        client.check()
+
+
+class SlowHandler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802
+        time.sleep(1.5)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_slow_server_times_out():
+    server, url = serve_handler(SlowHandler)
+    try:
+        client = HTTPRetriever(url, timeout_s=0.3, retries=1, backoff_s=0.05)
+        start = time.monotonic()
+        with pytest.raises(RetrieverError, match=r"2 attempt\(s\).*no answer within "
+                                                 r"timeout_s=0.3 s"):
+            client.search(["who"], 3)
+        assert time.monotonic() - start < 2 * 0.3 + 0.05 + 1.0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class BareDocumentsHandler(BaseHTTPRequestHandler):
+    """A Search-R1-style server: no /health, bare documents, 500 on its first request."""
+
+    calls = 0
+
+    def do_POST(self):  # noqa: N802
+        type(self).calls += 1
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if type(self).calls == 1:
+            status, payload = 500, {"error": "index still loading"}
+        else:
+            doc = {"id": "7", "contents": '"Lee Mantle"\nLee Mantle was a Senator.'}
+            status, payload = 200, {"result": [[doc] for _ in request["queries"]]}
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_bare_documents_are_accepted_and_5xx_is_retried():
+    server, url = serve_handler(BareDocumentsHandler)
+    try:
+        client = HTTPRetriever(url, retries=2, backoff_s=0.01)
+        assert client.search(["who", "what"], 3) == [
+            [Passage(id="7", title="Lee Mantle", text="Lee Mantle was a Senator.", score=None)]] * 2
+        assert BareDocumentsHandler.calls == 2  # the 500 was retried once
+        client.check()  # /health is 404 here: falls back to a one-query retrieve
+        assert BareDocumentsHandler.calls == 3
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_console_entry_serves_a_corpus(shared_data, tmp_path):
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trace_lightning.retrieval.server", "--corpus",
+         str(shared_data / "2wikimultihopqa" / "corpus.jsonl"), "--port", str(port),
+         "--cache-dir", str(tmp_path), "--topk-max", "7"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        client = HTTPRetriever(f"http://127.0.0.1:{port}", timeout_s=2.0, retries=8,
+                               backoff_s=0.5)  # up to ~25 s for the process to start
+        client.check()
+        (hits,) = client.search(["Silas Hardy English cricketer"], 7)
+        assert hits[0].title == "Silas Hardy" and len(hits) == 7
+        with pytest.raises(RetrieverError, match=r"\[1, 7\]"):
+            client.search(["Silas Hardy"], 8)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

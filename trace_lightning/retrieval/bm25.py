@@ -1,0 +1,228 @@
+"""In-process BM25 retrieval over a corpus JSONL (bm25s), with the index cached on disk.
+
+Each passage is indexed as ``title + "\\n" + text`` (what Search-R1's Pyserini index holds
+as ``contents``). Tokens: lower case, scikit-learn's ``\\b\\w\\w+\\b`` pattern, bm25s's English
+stopwords, no stemmer (bm25s's stemming needs PyStemmer, a dependency we do not take).
+Scoring: Lucene BM25 with Pyserini's defaults ``k1=0.9, b=0.4``.
+
+Cache: the index of a corpus file is saved under ``<cache_dir>/bm25-<stem>-<key>`` where the
+key is the sha256 of the corpus file's bytes plus the tokenizer and BM25 settings, so an
+edited file or another setting gets a fresh index and a later construction just loads it.
+Without ``cache_dir`` the cache lives in ``.bm25_cache`` beside the corpus when that folder is
+writable, else in ``~/.cache/trace-lightning/bm25``. An index is written to a temporary
+folder and renamed into place, so concurrent processes never read a half-written one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal, get_args
+
+import bm25s
+import numpy as np
+
+from trace_lightning.retrieval import DOCUMENT_FORMS, Passage
+
+TOKEN_PATTERN = r"(?u)\b\w\w+\b"
+STOPWORDS = "en"
+CACHE_FORMAT = 1  # bump when the cached layout or the tokenizer changes
+_FORMS = "each line must be " + DOCUMENT_FORMS
+Method = Literal["lucene", "robertson", "atire", "bm25l", "bm25+"]
+
+
+def load_corpus(path: str | os.PathLike) -> list[Passage]:
+    """Read a corpus JSONL in our form or FlashRAG's; blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"corpus {path} does not exist; pass the path of a JSONL file "
+                                f"whose lines are {DOCUMENT_FORMS} "
+                                f"(e.g. ../shared/data/hotpotqa/corpus.jsonl)")
+    passages = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"corpus {path} line {line_no} is not JSON ({e}); "
+                                 f"{_FORMS}") from None
+            passages.append(Passage.from_record(record, f"corpus {path} line {line_no}"))
+    if not passages:
+        raise ValueError(f"corpus {path} holds no documents; {_FORMS}")
+    return passages
+
+
+def _tokenize(texts: list[str]) -> list[list[str]]:
+    return bm25s.tokenize(texts, lower=True, token_pattern=TOKEN_PATTERN, stopwords=STOPWORDS,
+                          stemmer=None, return_ids=False, show_progress=False)
+
+
+def _writable_dir(path: Path) -> bool:
+    """True if ``path`` is (or can become) a folder we may write to.
+
+    A folder without any write permission bit counts as read-only even where ``os.access``
+    says yes (root ignores permissions, and shared read-only data must stay untouched).
+    """
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return False
+        probe = probe.parent
+    mode = probe.stat().st_mode
+    return (probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
+            and bool(mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)))
+
+
+def default_cache_dir(corpus: Path) -> Path:
+    """``.bm25_cache`` beside the corpus if writable, else ``~/.cache/trace-lightning/bm25``."""
+    beside = corpus.parent / ".bm25_cache"
+    if _writable_dir(beside):
+        return beside
+    return Path.home() / ".cache" / "trace-lightning" / "bm25"
+
+
+class BM25Retriever:
+    """BM25 over a corpus JSONL, searched in-process; the index is cached on disk.
+
+    Args:
+        corpus: path of the corpus JSONL (``{"id","title","text"}`` or ``{"id","contents"}`` lines).
+        cache_dir: index cache folder; None = beside the corpus if writable, else ~/.cache.
+        k1: BM25 term-frequency saturation.
+        b: BM25 length normalisation.
+        method: bm25s scoring variant.
+    """
+
+    def __init__(self, corpus: str, cache_dir: str | None = None, k1: float = 0.9,
+                 b: float = 0.4,
+                 method: Method = "lucene"):
+        corpus_path = Path(corpus)
+        self._setup(load_corpus(corpus_path), k1, b, method)
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir(corpus_path)
+        self.index_dir = root / f"bm25-{corpus_path.stem}-{self._cache_key(corpus_path)[:20]}"
+        self.loaded_from_cache = self._load_index(self.index_dir)
+        if not self.loaded_from_cache:
+            self._build_index()
+            self._save_index(self.index_dir)
+
+    @classmethod
+    def from_documents(cls, docs: Iterable[dict], k1: float = 0.9, b: float = 0.4,
+                       method: Method = "lucene") -> BM25Retriever:
+        """An in-memory index (not cached) over documents in either corpus form."""
+        self = cls.__new__(cls)
+        passages = [Passage.from_record(d, f"documents[{i}]") for i, d in enumerate(docs)]
+        if not passages:
+            raise ValueError("from_documents got no documents; pass a non-empty list of "
+                             "{\"id\", \"title\", \"text\"} or {\"id\", \"contents\"} dicts")
+        self._setup(passages, k1, b, method)
+        self.index_dir, self.loaded_from_cache = None, False
+        self._build_index()
+        return self
+
+    def _setup(self, passages: list[Passage], k1: float, b: float, method: str) -> None:
+        if k1 < 0 or not 0 <= b <= 1:
+            raise ValueError(f"BM25 k1 ({k1}) must be >= 0 and b ({b}) in [0, 1]; "
+                             f"Pyserini's defaults are k1=0.9, b=0.4")
+        if method not in get_args(Method):
+            raise ValueError(f"BM25 method {method!r} is not one of {get_args(Method)}")
+        self.passages = passages
+        self.k1, self.b, self.method = k1, b, method
+        self._bm25: bm25s.BM25 | None = None
+
+    def __len__(self) -> int:
+        return len(self.passages)
+
+    # -- index ----------------------------------------------------------------------------
+
+    def _settings(self) -> dict:
+        return {"format": CACHE_FORMAT, "bm25s": bm25s.__version__, "lower": True,
+                "token_pattern": TOKEN_PATTERN, "stopwords": STOPWORDS, "stemmer": None,
+                "fields": "title\\ntext", "k1": self.k1, "b": self.b, "method": self.method}
+
+    def _cache_key(self, corpus: Path) -> str:
+        digest = hashlib.sha256()
+        with corpus.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(json.dumps(self._settings(), sort_keys=True).encode())
+        return digest.hexdigest()
+
+    def _build_index(self) -> None:
+        tokens = _tokenize([f"{p.title}\n{p.text}" for p in self.passages])
+        self._bm25 = bm25s.BM25(k1=self.k1, b=self.b, method=self.method, backend="numpy")
+        self._bm25.index(tokens, show_progress=False)
+
+    def _load_index(self, index_dir: Path) -> bool:
+        """Load a cached index; False when there is none or it does not fit this corpus."""
+        meta_path = index_dir / "meta.json"
+        if not meta_path.is_file():
+            return False
+        try:
+            meta = json.loads(meta_path.read_text())
+            bm25 = bm25s.BM25.load(str(index_dir), load_vocab=True, show_progress=False)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"[trace-lightning] ignoring unreadable BM25 cache {index_dir} ({e}); rebuilding")
+            return False
+        n = len(self.passages)
+        if meta.get("num_docs") != n or bm25.scores["num_docs"] != n:
+            return False
+        self._bm25 = bm25
+        return True
+
+    def _save_index(self, index_dir: Path) -> None:
+        """Write to a temporary sibling folder, then rename it into place."""
+        try:
+            index_dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=index_dir.parent))
+        except OSError as e:
+            print(f"[trace-lightning] cannot cache the BM25 index in {index_dir.parent} ({e}); "
+                  f"it is rebuilt on each start. Pass a writable cache_dir to keep it.")
+            return
+        try:
+            self._bm25.save(str(tmp), show_progress=False)
+            (tmp / "meta.json").write_text(json.dumps(
+                {"num_docs": len(self.passages), "settings": self._settings()}, indent=1))
+            os.replace(tmp, index_dir)
+        except OSError:
+            pass  # another process saved the same index first; ours is identical
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # -- search ---------------------------------------------------------------------------
+
+    def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
+        """Top ``topk`` passages per query, best first.
+
+        Only passages that share a term with the query are returned, so a query made only of
+        stopwords or unknown words gets an empty list, and a list may be shorter than topk.
+        """
+        if isinstance(queries, str) or not all(isinstance(q, str) for q in queries):
+            raise TypeError(f"search expects a list of query strings, got {queries!r:.200}")
+        if not isinstance(topk, int) or topk < 1:
+            raise ValueError(f"topk ({topk!r}) must be an integer >= 1")
+        if not queries:
+            return []
+        vocab = self._bm25.vocab_dict
+        results = []
+        for tokens in _tokenize(list(queries)):
+            ids = [vocab[t] for t in tokens if t and t in vocab]
+            if not ids:
+                results.append([])
+                continue
+            scores = self._bm25.get_scores_from_ids(ids)  # (num_docs,)
+            k = min(topk, len(scores))
+            top = np.argpartition(-scores, k - 1)[:k]  # (k,) unordered
+            top = top[np.argsort(-scores[top], kind="stable")]  # (k,) best first
+            results.append([self._hit(int(i), float(scores[i])) for i in top if scores[i] > 0])
+        return results
+
+    def _hit(self, index: int, score: float) -> Passage:
+        p = self.passages[index]
+        return Passage(id=p.id, title=p.title, text=p.text, score=score)

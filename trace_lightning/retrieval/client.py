@@ -1,0 +1,172 @@
+"""Client of the Search-R1 retrieval API (``POST /retrieve``), standard library only.
+
+Request: ``{"queries": [...], "topk": k, "return_scores": true}``. Accepted answers:
+``{"result": [[{"document": {...}, "score": s}, ...], ...]}`` and the bare form
+``{"result": [[{...}, ...], ...]}`` (score None), where a document is ``{"id", "contents"}``
+(FlashRAG) or ``{"id", "title", "text"}``.
+
+Failures: connection errors, timeouts and 5xx answers are retried ``retries`` times with
+exponential backoff (``backoff_s``, doubled each time, at most ``MAX_BACKOFF_S``), then raise
+:class:`RetrieverError`; a 4xx answer is the caller's fault and raises at once with the
+server's message. So one ``search`` call takes at most about
+``(retries + 1) * timeout_s + sum(backoffs)`` seconds.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from trace_lightning.retrieval import Passage
+
+MAX_BACKOFF_S = 5.0
+_FIX = ("start one with `trace-lightning-retriever --corpus PATH --port PORT`, or set "
+        "`--data.retriever_url` to a running server")
+
+
+class RetrieverError(RuntimeError):
+    """The retrieval service failed or refused; ``status`` is the HTTP status if one came."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def _server_message(body: bytes) -> str:
+    """The ``error`` field of a JSON error body, else the body's first 300 characters."""
+    text = body.decode("utf-8", errors="replace")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:300]
+    return str(data.get("error", data)) if isinstance(data, dict) else text[:300]
+
+
+class HTTPRetriever:
+    """Search over HTTP against a Search-R1-style retrieval server.
+
+    Args:
+        url: server address, e.g. http://127.0.0.1:8000 (a trailing /retrieve is accepted).
+        timeout_s: seconds to wait for one request (connect and answer).
+        retries: extra attempts after a connection error, timeout or 5xx answer.
+        backoff_s: sleep before the first retry; doubled per retry, capped at 5 s.
+        batch_size: most queries per request; longer query lists are split.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 10.0, retries: int = 2,
+                 backoff_s: float = 0.2, batch_size: int = 64):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"retriever url {url!r} is not an http(s) address; pass e.g. "
+                             f"http://127.0.0.1:8000")
+        if timeout_s <= 0 or retries < 0 or backoff_s < 0 or batch_size < 1:
+            raise ValueError(f"HTTPRetriever needs timeout_s > 0 ({timeout_s}), retries >= 0 "
+                             f"({retries}), backoff_s >= 0 ({backoff_s}) and batch_size >= 1 "
+                             f"({batch_size})")
+        base = url.rstrip("/")
+        if base.endswith("/retrieve"):
+            base = base[: -len("/retrieve")]
+        self.url = base
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.batch_size = batch_size
+
+    def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
+        """Top ``topk`` passages per query, best first, in ``batch_size`` requests."""
+        if isinstance(queries, str) or not all(isinstance(q, str) for q in queries):
+            raise TypeError(f"search expects a list of query strings, got {queries!r:.200}")
+        results: list[list[Passage]] = []
+        for start in range(0, len(queries), self.batch_size):
+            chunk = list(queries[start:start + self.batch_size])
+            data = self._request("/retrieve", {"queries": chunk, "topk": topk,
+                                               "return_scores": True})
+            results.extend(self._parse(data, len(chunk)))
+        return results
+
+    def check(self) -> None:
+        """Fail fast: raise RetrieverError unless the server answers ``/health``.
+
+        A server without ``/health`` (404, e.g. Search-R1's own) is checked with a one-query
+        retrieve instead.
+        """
+        try:
+            self._request("/health", None)
+        except RetrieverError as e:
+            if e.status != 404:
+                raise
+            self._parse(self._request("/retrieve", {"queries": ["test"], "topk": 1,
+                                                    "return_scores": True}), 1)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _request(self, path: str, payload: dict | None) -> object:
+        """GET (payload None) or POST JSON; retries transient failures; returns parsed JSON."""
+        url = self.url + path
+        data = None if payload is None else json.dumps(payload).encode()
+        attempts = self.retries + 1
+        failure = ""
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
+            request = urllib.request.Request(
+                url, data=data, method="GET" if data is None else "POST",
+                headers={"Content-Type": "application/json", "Accept": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    body = response.read()
+            except urllib.error.HTTPError as e:
+                message = _server_message(e.read())
+                if 400 <= e.code < 500:
+                    raise RetrieverError(f"retriever {url} refused the request with HTTP "
+                                         f"{e.code}: {message}", status=e.code) from None
+                failure = f"HTTP {e.code}: {message}"
+                continue
+            except TimeoutError:
+                failure = f"no answer within timeout_s={self.timeout_s} s"
+                continue
+            except urllib.error.URLError as e:
+                if isinstance(e.reason, TimeoutError):
+                    failure = f"no answer within timeout_s={self.timeout_s} s"
+                else:
+                    failure = f"cannot connect ({e.reason})"
+                continue
+            except (OSError, http.client.HTTPException) as e:
+                failure = f"connection failed ({type(e).__name__}: {e})"
+                continue
+            try:
+                return json.loads(body)
+            except json.JSONDecodeError as e:
+                raise RetrieverError(f"retriever {url} answered with a body that is not JSON "
+                                     f"({e}): {body[:200]!r}; is {self.url} a retrieval "
+                                     f"server?") from None
+        raise RetrieverError(f"retriever {url} failed after {attempts} attempt(s) "
+                             f"(timeout_s={self.timeout_s}, retries={self.retries}); last "
+                             f"failure: {failure}. Is the server running? {_FIX}")
+
+    def _parse(self, data: object, n_queries: int) -> list[list[Passage]]:
+        """``{"result": [[{"document": doc, "score": s} | doc, ...], ...]}`` -> passages."""
+        result = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(result, list) or len(result) != n_queries:
+            raise RetrieverError(f"retriever {self.url}/retrieve answered {str(data)[:200]!r}; "
+                                 f"expected {{\"result\": [...]}} with one list per query "
+                                 f"({n_queries})")
+        out = []
+        for i, hits in enumerate(result):
+            if not isinstance(hits, list):
+                raise RetrieverError(f"retriever {self.url}/retrieve: result[{i}] is not a "
+                                     f"list ({str(hits)[:200]!r})")
+            passages = []
+            for j, hit in enumerate(hits):
+                where = f"retriever {self.url}/retrieve result[{i}][{j}]"
+                scored = isinstance(hit, dict) and isinstance(hit.get("document"), dict)
+                score = hit.get("score") if scored else None
+                try:
+                    passages.append(Passage.from_record(hit["document"] if scored else hit, where,
+                                                        None if score is None else float(score)))
+                except (ValueError, TypeError) as e:
+                    raise RetrieverError(str(e)) from None
+            out.append(passages)
+        return out
