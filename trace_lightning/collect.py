@@ -35,6 +35,7 @@ class RolloutStep:
     sequences: list[LeafSequence]
     budget: Budget
     pool_returned: int = 0  # continuations a prompt could not use, spent elsewhere
+    unspent: int = 0  # continuations no prefix could take, spent as extra bare rollouts
     seconds: dict[str, float] = field(default_factory=dict)  # rollout/predict/... wall time
     cold_start: bool = False
 
@@ -52,13 +53,17 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     seconds: dict[str, float] = {}
     tic = time.perf_counter()
     trees = [loop.new_tree(e) for e in candidates]
-    if predict is not None and allocator.uses_predictor:
+    cold = allocator.is_cold(predictor_nodes_seen)
+    informed = allocator.kind in ("prompt", "trace", "oracle") and not cold
+    if informed:
+        if predict is None:
+            raise ValueError(f"allocator kind {allocator.kind!r} needs predictions; pass "
+                             f"the predictor (or oracle_predict for 'oracle')")
         predict(trees)
     seconds["predict"] = time.perf_counter() - tic
 
-    predictions = [t.root.prediction for t in trees]
-    plan = allocator.plan_roots(predictions if predictions[0] is not None else None,
-                                predictor_nodes_seen)
+    plan = allocator.plan_roots(len(trees), [t.root.prediction for t in trees]
+                                if informed else None, predictor_nodes_seen)
     rank, world = shard
     opened = [(t, m) for t, m in zip(trees, plan.rollouts) if m > 0][rank::world]
     chosen = [t for t, _ in opened]
@@ -66,16 +71,23 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     budget = loop.expand([Start(t, 0, m) for t, m in opened], seed=seed)
     seconds["rollout"] = time.perf_counter() - tic
 
-    pool_returned = 0
-    if allocator.branches:
+    pool_returned = unspent = 0
+    if allocator.kind in ("random_tree", "trace", "oracle"):
         tic = time.perf_counter()
-        if predict is not None and allocator.uses_predictor:
+        if informed:
             predict(chosen)
         seconds["predict"] += time.perf_counter() - tic
-        prefix_plan = allocator.plan_prefixes(chosen)
+        prefix_plan = allocator.plan_prefixes(chosen, cold_start=plan.cold_start)
         pool_returned = prefix_plan.pool_returned
-        starts = [Start(t, node, k) for t in chosen
-                  for node, k in prefix_plan.continuations.get(t.tree_id, {}).items() if k > 0]
+        starts = [Start(chosen[ti], node, k)
+                  for (ti, node), k in prefix_plan.continuations.items()]
+        # budget no prefix could take (every rollout single-turn, or caps) becomes extra bare
+        # rollouts, round robin, so every allocator spends the same leaves
+        extra = [0] * len(chosen)
+        for i in range(prefix_plan.unspent if chosen else 0):
+            extra[i % len(chosen)] += 1
+        starts += [Start(t, 0, k) for t, k in zip(chosen, extra) if k]
+        unspent = prefix_plan.unspent
         tic = time.perf_counter()
         budget.add(loop.expand(starts, seed=seed + 1))
         seconds["rollout"] += time.perf_counter() - tic
@@ -83,10 +95,11 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     for t in chosen:
         t.compute_values()
     sequences = [s for t in chosen for s in t.flatten()]
-    assign_advantages(sequences, chosen, advantage)
+    for seq, adv in zip(sequences, assign_advantages(sequences, chosen, advantage)):
+        seq.token_advantages = adv
     return RolloutStep(epoch=epoch, trees=chosen, candidates=len(candidates),
                        root_plan=list(plan.rollouts), sequences=sequences, budget=budget,
-                       pool_returned=pool_returned, seconds=seconds,
+                       pool_returned=pool_returned, unspent=unspent, seconds=seconds,
                        cold_start=plan.cold_start)
 
 

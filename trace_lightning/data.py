@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trace_lightning.allocators import Allocator
-from trace_lightning.collect import RolloutStep, collect_step
+from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
 from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines import build_engine
 from trace_lightning.engines.base import SamplingConfig
@@ -145,6 +145,7 @@ class TraceDataModule(L.LightningDataModule):
         train_limit: use only the first ``train_limit`` training questions.
         trees_dir: write every epoch's trees as JSONL here (None: don't).
         demo: prepare and use the generated demo world instead of ``train``/``val``.
+        oracle_samples: extra rollouts per node that estimate true success (``oracle`` only).
         seed: seed of candidate sampling and rollouts.
     """
 
@@ -156,7 +157,7 @@ class TraceDataModule(L.LightningDataModule):
                  candidates_per_step: int = 64, advantage: str = "tree_grpo",
                  max_tokens_per_microbatch: int = 8192, minibatches_per_step: int = 1,
                  train_limit: int | None = None, trees_dir: str | None = None,
-                 demo: DemoConfig | None = None, seed: int = 0):
+                 demo: DemoConfig | None = None, oracle_samples: int = 8, seed: int = 0):
         super().__init__()
         self.train_path, self.corpus, self.retriever_url = train, corpus, retriever_url
         self.val_sets = list(val or [])
@@ -165,11 +166,13 @@ class TraceDataModule(L.LightningDataModule):
         self.env_cfg = env or EnvConfig()
         self.sampling = sampling or SamplingConfig()
         self.val_temperature = val_temperature
-        self.allocator = allocator or Allocator()
+        self.allocator = allocator or Allocator("trace", roots=16, continuations=1,
+                                                max_rollouts_per_prompt=8, group_size=4)
         self.candidates_per_step, self.advantage = candidates_per_step, advantage
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.minibatches_per_step = minibatches_per_step
         self.train_limit, self.trees_dir, self.demo, self.seed = train_limit, trees_dir, demo, seed
+        self.oracle_samples = oracle_samples
         self._check_config()
         self.engine = None
         self.tokenizer = None
@@ -200,7 +203,9 @@ class TraceDataModule(L.LightningDataModule):
                 f"--data.engine.max_model_len ({self.engine_cfg.max_model_len}) must be >= "
                 f"--data.env.max_seq_tokens + --data.sampling.max_tokens "
                 f"({self.env_cfg.max_seq_tokens} + {self.sampling.max_tokens})")
-        needed = self.allocator.prompts_needed()
+        a = self.allocator
+        needed = (a.root_budget // a.group_size if a.kind in ("uniform", "random_tree")
+                  else -(-a.root_budget // a.max_rollouts_per_prompt) + a.n_explore)
         if self.candidates_per_step < needed:
             raise ValueError(f"--data.candidates_per_step ({self.candidates_per_step}) is smaller "
                              f"than the {needed} prompts allocator {self.allocator.kind!r} needs "
@@ -289,7 +294,9 @@ class TraceDataModule(L.LightningDataModule):
                                replace=False)
         candidates = [self.train_examples[i] for i in idx]
         loop = AgentLoop(self.engine, self._env(self.corpus), self.sampling)
-        step = collect_step(loop, self.allocator, candidates, predict=module.predict_trees,
+        predict = (oracle_predict(loop, self.oracle_samples, seed=self.seed + epoch)
+                   if self.allocator.kind == "oracle" else module.predict_trees)
+        step = collect_step(loop, self.allocator, candidates, predict=predict,
                             predictor_nodes_seen=module.predictor_nodes_seen, epoch=epoch,
                             seed=int(self._rng.integers(2**31 - 1)) + rank,
                             advantage=self.advantage, shard=(rank, world))
@@ -318,7 +325,8 @@ class TraceDataModule(L.LightningDataModule):
         for k in range(self.minibatches_per_step):
             mini = [seqs[i] for i in minis[k]] if seqs else []
             groups = pack_microbatches(mini, self.max_tokens_per_microbatch) if mini else []
-            micro = [collate([mini[i] for i in g], pad) for g in groups]
+            micro = [collate([mini[i] for i in g], pad,
+                             advantages=[mini[i].token_advantages for i in g]) for g in groups]
             out.append({"micro": micro,
                         "n_tokens": float(sum(sum(s.policy_mask) for s in mini))})
         return self._equalise(out)

@@ -12,12 +12,11 @@ tokens, so the gradient is the token-mean over the whole mini-batch.
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
-
 import lightning as L
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from trace_lightning.advantage import AdvantageKind
 from trace_lightning.collect import RolloutStep
 from trace_lightning.engines.sync import sync_weights
 from trace_lightning.loss import policy_loss, token_logprobs
@@ -25,7 +24,6 @@ from trace_lightning.predictor import (Featuriser, ReplayBuffer, SuccessPredicto
                                        fit_predictor, predict_nodes, training_batch)
 from trace_lightning.tree import RolloutTree
 
-AdvantageKind = Literal["tree_grpo", "treepo", "segment", "grpo"]
 
 
 class TraceModule(L.LightningModule):
@@ -158,7 +156,7 @@ class TraceModule(L.LightningModule):
         h = self.hparams
         n_tokens = max(float(batch["n_tokens"]), 1.0)
         totals: dict[str, float] = {}
-        total_loss = 0.0
+        total_loss, tokens, ratio_max = 0.0, 0.0, 0.0
         for mb in batch["micro"]:
             logp, entropy = self._logprobs(self.policy, mb, with_entropy=True)  # (B, T) each
             ref = None
@@ -176,21 +174,21 @@ class TraceModule(L.LightningModule):
                     f"Check rewards and advantages for NaN, or lower --model.lr")
             self.manual_backward(loss)
             total_loss += loss.item()
-            w = float(stats["tokens"])
-            for k, v in stats.items():
-                if k != "tokens":
-                    totals[k] = totals.get(k, 0.0) + float(v) * w
-            totals["tokens"] = totals.get("tokens", 0.0) + w
+            w = float(stats.pop("tokens"))
+            ratio_max = max(ratio_max, float(stats.pop("ratio_max")))
+            for k, v in stats.items():  # token-weighted means over the mini-batch
+                totals[k] = totals.get(k, 0.0) + float(v) * w
+            tokens += w
         if h.max_grad_norm > 0:
             grad_norm = self.clip_policy_gradients(h.max_grad_norm)
         else:
             grad_norm = float("nan")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        tokens = max(totals.pop("tokens", 0.0), 1.0)
-        metrics = {f"train/{k}": v / tokens for k, v in totals.items() if k != "pg_loss"}
+        metrics = {f"train/{k}": v / max(tokens, 1.0) for k, v in totals.items()
+                   if k != "pg_loss"}
         metrics.update({"train/loss": total_loss, "train/grad_norm": float(grad_norm),
-                        "train/policy_tokens": tokens})
+                        "train/policy_tokens": tokens, "train/ratio_max": ratio_max})
         if batch_idx == 0:
             metrics.update(self._predictor_stats)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)

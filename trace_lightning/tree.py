@@ -212,7 +212,8 @@ class LeafSequence:
     logprobs: list[float]  # behaviour log-probs on policy tokens, 0.0 elsewhere
     reward: float
     ancestors: list[int]  # node ids root..leaf, for ancestor-group advantages
-    advantage: float = 0.0
+    advantage: float = 0.0  # the leaf's advantage (mean over policy tokens for "segment")
+    token_advantages: list[float] | None = None  # per token, aligned with input_ids
 
 
 def write_jsonl(trees: Iterable[RolloutTree], path: str | Path) -> None:
