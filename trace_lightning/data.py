@@ -12,11 +12,9 @@ Under several processes every rank computes the same candidates, predictions and
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -238,7 +236,9 @@ class TraceDataModule(L.LightningDataModule):
         if stage == "fit" and not self.train_examples:
             self.train_examples = load_qa(self.train_path, limit=self.train_limit)
         if not self.val_examples:
-            self.val_examples = {v.name: load_qa(v.path, dataset=v.name, limit=v.limit)
+            # the set's name is the metric key, whatever the records call themselves
+            self.val_examples = {v.name: [replace(e, dataset=v.name)
+                                          for e in load_qa(v.path, limit=v.limit)]
                                  for v in self.val_sets}
         if self.engine is None:
             from transformers import AutoTokenizer
