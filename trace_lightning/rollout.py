@@ -64,8 +64,6 @@ class AgentLoop:
             node = s.tree.nodes[s.node]
             assert not node.finished, f"cannot continue leaf {s.node} of tree {s.tree.tree_id}"
             prefix = s.tree.prefix_ids(s.node)
-            if s.node != 0:
-                node.continuations += s.count
             for _ in range(s.count):
                 if s.node == 0:  # a new bare rollout gets the next free index
                     j = next_rollout.get(s.tree.tree_id, len(s.tree.root.children))
