@@ -1,0 +1,149 @@
+"""Warm start on gold trajectories: built through the real environment, trained on policy
+tokens only, saved where transformers and vLLM load it; and ``prepare_demo``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+from trace_lightning.datasets import load_qa
+from trace_lightning.demo.prepare import DEMO_INSTRUCTION, DemoPaths, demo_env, prepare_demo
+from trace_lightning.demo.warm_start import collate, gold_trees, sft_loss, warm_start
+from trace_lightning.demo.world import generate_world, gold_turns, vocabulary_text
+from trace_lightning.models import AGENT_TAGS, build_tiny_model, tiny_qwen3_config, train_tokenizer
+from trace_lightning.retrieval import load_corpus
+
+SIZES = {"n_people": 40, "n_cities": 10, "n_countries": 4, "n_companies": 10}
+MODEL = {"hidden_size": 64, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 32,
+         "intermediate": 128, "max_position": 512}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(vocabulary_text(n_worlds=2, **SIZES), 400, AGENT_TAGS)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_world(3, n_questions=40, **SIZES)
+
+
+@pytest.fixture(scope="module")
+def env(tokenizer, world):
+    return demo_env(tokenizer, world, topk=2, use_chat_template=False)
+
+
+def test_agent_tags_are_single_tokens(tokenizer):
+    for tag in AGENT_TAGS:
+        assert len(tokenizer.encode(tag, add_special_tokens=False)) == 1
+    # A name is tokenised the same in the question, a document and the agent's turn.
+    name = " Velmor Kastri"
+    ids = tokenizer.encode(name, add_special_tokens=False)
+    turn = tokenizer.encode(f"<search>{name}</search>", add_special_tokens=False)
+    assert turn[1:-1] == ids
+
+
+def test_gold_trajectories_mask_exactly_the_turns(env, world, tokenizer):
+    trees = gold_trees(env, world)
+    assert len(trees) == len(world.questions)  # top-2 always holds the searched document
+    by_id = {q["id"]: q for q in world.questions}
+    for tree in trees:
+        (seq,) = tree.flatten()
+        q = by_id[tree.tree_id]
+        assert seq.reward == 1.0
+        prompt_ids, _ = env.prompt(q["question"])
+        assert seq.input_ids[: len(prompt_ids)] == prompt_ids
+        # Walk the sequence: prompt, then per turn its tokens (mask 1) and the observation
+        # the environment returns for its query (mask 0).
+        pos = len(prompt_ids)
+        assert not any(seq.policy_mask[:pos])
+        turns = gold_turns(q, world)
+        for k, turn in enumerate(turns):
+            ids = tokenizer.encode(turn, add_special_tokens=False)
+            assert seq.input_ids[pos: pos + len(ids)] == ids
+            assert all(seq.policy_mask[pos: pos + len(ids)])
+            pos += len(ids)
+            if k < len(turns) - 1:
+                ((obs, _),) = env.observe([q["chain"][k]])
+                assert seq.input_ids[pos: pos + len(obs)] == obs
+                assert not any(seq.policy_mask[pos: pos + len(obs)])
+                pos += len(obs)
+        assert pos == len(seq.input_ids)
+        assert tokenizer.decode([t for t, m in zip(seq.input_ids, seq.policy_mask) if m]) \
+            == "".join(turns)
+
+
+def test_noisy_demonstrations_make_one_reading_error(env, world):
+    noisy = gold_trees(env, world, noise=1.0, seed=0)
+    gold = {t.tree_id: t for t in gold_trees(env, world)}
+    assert len(noisy) == len(world.questions)
+    wrong = 0
+    for tree in noisy:
+        args = [n.argument for n in tree.nodes[1:]]
+        true = [n.argument for n in gold[tree.tree_id].nodes[1:]]
+        assert args[0] == true[0] and args != true and len(args) == len(true)
+        wrong += tree.leaves()[0].reward == 0.0
+    assert wrong >= 0.5 * len(noisy)  # a wrong city can still lie in the right country
+
+
+def test_warm_start_lowers_the_loss_and_saves(tmp_path, tokenizer, world, env):
+    model_dir = build_tiny_model(tokenizer, tmp_path / "model", seed=0, **MODEL)
+    seqs = [s for t in gold_trees(env, world) for s in t.flatten()][:16]
+    batch = collate(seqs, tokenizer.pad_token_id)
+
+    def loss_of(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            return sft_loss(model, batch["input_ids"], batch["policy_mask"]).item()
+
+    before = loss_of(model_dir)
+    stats = warm_start(model_dir, world, env, steps=12, batch_size=8, lr=3e-3, warmup=2,
+                       log_every=0)
+    after = loss_of(model_dir)  # the saved model loads in transformers
+    assert stats["n_demos"] == len(world.questions) and len(stats["losses"]) == 12
+    assert after < before - 0.5, (before, after)
+
+
+def test_sft_loss_counts_policy_tokens_only(tokenizer):
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(len(tokenizer), **MODEL))
+    ids = torch.randint(0, len(tokenizer), (2, 10))  # (B, T)
+    mask = torch.zeros_like(ids)
+    mask[0, 4:7] = 1
+    changed = ids.clone()
+    changed[1, :] = 3  # a row without policy tokens must not matter
+    changed[0, 8:] = 5  # nor tokens after the last policy token
+    a = sft_loss(model, ids, mask)
+    b = sft_loss(model, changed, mask)
+    torch.testing.assert_close(a, b)
+    # By hand: mean NLL of tokens 4..6 of row 0 given their prefixes.
+    logp = torch.log_softmax(model(input_ids=ids[:1]).logits[0], -1)  # (T, V)
+    expected = -torch.stack([logp[t - 1, ids[0, t]] for t in (4, 5, 6)]).mean()
+    torch.testing.assert_close(a, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prepare_demo_writes_loadable_files_and_is_idempotent(tmp_path):
+    kwargs = dict(n_questions=20, n_eval_questions=10, warm_questions=20, vocab_size=400,
+                  model=MODEL, warm_start_steps=2, warm_start_batch=4, **SIZES)
+    paths = prepare_demo(tmp_path / "demo", **kwargs)
+    assert paths == DemoPaths.under(tmp_path / "demo")
+    manifest = json.loads(paths.manifest.read_text())
+    assert manifest["settings"]["instruction"] == DEMO_INSTRUCTION
+    # The standard loaders read every file.
+    train, held_out = load_qa(paths.train_qa), load_qa(paths.eval_qa)
+    assert len(train) == 20 and len(held_out) == 10
+    corpus = {p.title for p in load_corpus(paths.train_corpus)}
+    assert all(set(q.supporting_titles) <= corpus for q in train)
+    assert {p.title for p in load_corpus(paths.eval_corpus)} != corpus
+    AutoModelForCausalLM.from_pretrained(paths.model)
+    # Same settings: nothing is redone.
+    stamp = (paths.model / "model.safetensors").stat().st_mtime_ns
+    prepare_demo(tmp_path / "demo", **kwargs)
+    assert (paths.model / "model.safetensors").stat().st_mtime_ns == stamp
+    # Another setting: rebuilt.
+    prepare_demo(tmp_path / "demo", **{**kwargs, "warm_start_steps": 1})
+    assert (paths.model / "model.safetensors").stat().st_mtime_ns != stamp
+    assert json.loads(paths.manifest.read_text())["settings"]["warm_start_steps"] == 1

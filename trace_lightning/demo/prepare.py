@@ -1,0 +1,182 @@
+"""Prepare the CPU demo: worlds, corpora, questions, tokenizer, tiny model, warm start.
+
+``prepare_demo(out_dir)`` writes, in our corpus and QA schemas (the standard loaders read
+them, so the demo runs the same code path as the real task)::
+
+    out_dir/
+      train_corpus.jsonl  train_qa.jsonl   the training world (seed)
+      eval_corpus.jsonl   eval_qa.jsonl    the held-out world (eval_seed)
+      model/                               tokenizer + tiny Qwen3, warm-started
+      manifest.json                        the settings; written last
+
+The warm start uses a third world (``warm_seed``), so neither the RL questions nor the
+held-out ones were demonstrated: both start from the same skill, not memorised facts.
+
+It is idempotent: when ``manifest.json`` holds the same settings and every file exists, it
+returns at once; any other setting rebuilds everything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trace_lightning.demo.warm_start import warm_start
+from trace_lightning.demo.world import World, generate_world, vocabulary_text
+from trace_lightning.environment import SearchEnvironment
+from trace_lightning.models import AGENT_TAGS, build_tiny_model, train_tokenizer
+from trace_lightning.retrieval import BM25Retriever
+
+log = logging.getLogger(__name__)
+
+# The tiny policy's instruction: short (every token is paid for on a CPU), same tags.
+DEMO_INSTRUCTION = "Search one name at a time, then answer.\nQuestion: {question}\n"
+MANIFEST_VERSION = 1
+# Tiny Qwen3 defaults (``tiny_qwen3_config`` fields); ``model=`` overrides any of them.
+DEFAULT_MODEL = {"hidden_size": 128, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 32,
+                 "intermediate": 384, "max_position": 1024}
+
+
+@dataclass
+class DemoPaths:
+    """Where ``prepare_demo`` put things."""
+
+    root: Path
+    train_corpus: Path
+    train_qa: Path
+    eval_corpus: Path
+    eval_qa: Path
+    model: Path
+    manifest: Path
+
+    @classmethod
+    def under(cls, root: str | Path) -> DemoPaths:
+        r = Path(root)
+        return cls(root=r, train_corpus=r / "train_corpus.jsonl", train_qa=r / "train_qa.jsonl",
+                   eval_corpus=r / "eval_corpus.jsonl", eval_qa=r / "eval_qa.jsonl",
+                   model=r / "model", manifest=r / "manifest.json")
+
+
+def _write_jsonl(records: list[dict], path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    tmp.replace(path)
+
+
+def _qa_records(world: World) -> list[dict]:
+    return [{**q, "supporting_titles": q["chain"][:-1]} for q in world.questions]
+
+
+def demo_env(tokenizer, world: World, topk: int = 3, max_obs_tokens: int = 256,
+             max_seq_tokens: int = 1024, max_turns: int = 5, use_chat_template: bool = True,
+             instruction: str = DEMO_INSTRUCTION) -> SearchEnvironment:
+    """The demo's environment over ``world``'s documents (in-process BM25)."""
+    return SearchEnvironment(tokenizer, BM25Retriever.from_documents(world.documents),
+                             topk=topk, max_turns=max_turns, max_obs_tokens=max_obs_tokens,
+                             max_seq_tokens=max_seq_tokens, instruction=instruction,
+                             use_chat_template=use_chat_template)
+
+
+def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_seed: int = 2,
+                 n_people: int = 300, n_cities: int = 40, n_countries: int = 8,
+                 n_companies: int = 40, n_questions: int = 600, n_eval_questions: int = 200,
+                 namesakes: int = 3, vocab_size: int = 512, model: dict | None = None,
+                 model_seed: int = 0, warm_start_steps: int = 300,
+                 warm_start_batch: int = 16, warm_start_lr: float = 3e-3,
+                 warm_start_noise: float = 0.0, warm_questions: int = 1000, topk: int = 2,
+                 use_chat_template: bool = False, force: bool = False) -> DemoPaths:
+    """Build (or find) the demo under ``out_dir``.
+
+    Args:
+        out_dir: output folder (created).
+        seed: seed of the training world (the RL questions).
+        eval_seed: seed of the held-out world.
+        warm_seed: seed of the world whose gold trajectories warm-start the policy.
+        n_people: people per world.
+        n_cities: cities per world.
+        n_countries: countries per world.
+        n_companies: companies per world.
+        n_questions: questions of the training world.
+        n_eval_questions: questions of the held-out world.
+        namesakes: people sharing each first name and each last name (distractors).
+        vocab_size: BPE vocabulary size (agent tags and control tokens included).
+        model: overrides of :data:`DEFAULT_MODEL` (``tiny_qwen3_config`` fields).
+        model_seed: seed of the random initialisation.
+        warm_start_steps: supervised steps on gold trajectories (0: no warm start).
+        warm_start_batch: trajectories per warm-start step.
+        warm_start_lr: warm-start peak learning rate.
+        warm_start_noise: share of noisy demonstrations.
+        warm_questions: questions of the warm-start world.
+        topk: passages per search in the demonstrations (use the same in the RL run).
+        use_chat_template: wrap prompts in the chat template (use the same in the RL run).
+        force: rebuild even if the manifest matches.
+    """
+    paths = DemoPaths.under(out_dir)
+    model_cfg = {**DEFAULT_MODEL, **(model or {})}
+    settings = {"version": MANIFEST_VERSION, "seed": seed, "eval_seed": eval_seed,
+                "warm_seed": warm_seed, "n_people": n_people, "n_cities": n_cities,
+                "n_countries": n_countries, "n_companies": n_companies,
+                "n_questions": n_questions, "n_eval_questions": n_eval_questions,
+                "namesakes": namesakes, "vocab_size": vocab_size, "model": model_cfg,
+                "model_seed": model_seed, "warm_start_steps": warm_start_steps,
+                "warm_start_batch": warm_start_batch, "warm_start_lr": warm_start_lr,
+                "warm_start_noise": warm_start_noise, "warm_questions": warm_questions,
+                "topk": topk, "use_chat_template": use_chat_template,
+                "instruction": DEMO_INSTRUCTION}
+    if not force and _matches(paths, settings):
+        log.info("demo in %s is up to date", paths.root)
+        return paths
+    start = time.perf_counter()
+    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.manifest.unlink(missing_ok=True)
+    sizes = {"n_people": n_people, "n_cities": n_cities, "n_countries": n_countries,
+             "n_companies": n_companies, "namesakes": namesakes}
+    train = generate_world(seed, n_questions=n_questions, **sizes)
+    held_out = generate_world(eval_seed, n_questions=n_eval_questions, **sizes)
+    _write_jsonl(train.documents, paths.train_corpus)
+    _write_jsonl(_qa_records(train), paths.train_qa)
+    _write_jsonl(held_out.documents, paths.eval_corpus)
+    _write_jsonl(_qa_records(held_out), paths.eval_qa)
+
+    texts = vocabulary_text(**sizes) + [DEMO_INSTRUCTION.format(question=q["question"])
+                                        for q in train.questions[:50]]
+    tokenizer = train_tokenizer(texts, vocab_size, AGENT_TAGS)
+    if paths.model.exists():
+        shutil.rmtree(paths.model)
+    build_tiny_model(tokenizer, paths.model, seed=model_seed, **model_cfg)
+    stats: dict = {}
+    if warm_start_steps > 0:
+        warm = generate_world(warm_seed, n_questions=warm_questions, **sizes)
+        env = demo_env(tokenizer, warm, topk=topk, use_chat_template=use_chat_template)
+        stats = warm_start(paths.model, warm, env, steps=warm_start_steps,
+                           batch_size=warm_start_batch, lr=warm_start_lr,
+                           noise=warm_start_noise, seed=model_seed)
+        stats["final_loss"] = sum(stats["losses"][-20:]) / len(stats["losses"][-20:])
+        del stats["losses"]
+    result = {"settings": settings, "warm_start": stats,
+              "seconds": round(time.perf_counter() - start, 1),
+              "files": {k: str(v.relative_to(paths.root)) for k, v in asdict(paths).items()
+                        if k not in ("root", "manifest")}}
+    tmp = paths.manifest.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(paths.manifest)
+    log.info("prepared the demo in %s (%.0f s)", paths.root, result["seconds"])
+    return paths
+
+
+def _matches(paths: DemoPaths, settings: dict) -> bool:
+    if not paths.manifest.is_file():
+        return False
+    try:
+        old = json.loads(paths.manifest.read_text())["settings"]
+    except (json.JSONDecodeError, KeyError):
+        return False
+    files = [paths.train_corpus, paths.train_qa, paths.eval_corpus, paths.eval_qa,
+             paths.model / "config.json", paths.model / "tokenizer.json"]
+    return old == settings and all(f.exists() for f in files)
