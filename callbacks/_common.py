@@ -1,0 +1,134 @@
+"""What the monitoring callbacks share: boundary checks, the epoch's step, gathering, logging.
+
+When the epoch's rollout step is ready: with ``reload_dataloaders_every_n_epochs=1``
+Lightning 2.6's ``_FitLoop`` requests the train dataloader in ``setup_data``, which runs at
+the top of ``run`` (epoch 0, *before* ``on_train_start``) and again at the top of
+``on_advance_start`` (epochs >= 1) just before ``on_train_epoch_start``. So
+``on_train_epoch_start`` is the first callback hook of every epoch where
+``datamodule.last_step`` holds that epoch's step; ``step.epoch == trainer.current_epoch``
+is checked there.
+
+Scalars go to every logger at ``trainer.fit_loop.epoch_loop._batches_that_stepped``: the
+step Lightning's ``self.log`` (the module's ``train/*``) and its own ``LearningRateMonitor``
+use, so all curves share one x-axis. (``trainer.global_step`` counts optimizer steps, and
+the predictor's optimizer steps many times per epoch, so it would drift off that axis.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from callbacks._stats import StepSummary, merge_summaries, summarize_step
+
+if TYPE_CHECKING:
+    from trace_lightning.collect import RolloutStep
+
+_TB_HINT = ("add `trainer.logger: {class_path: lightning.pytorch.loggers.TensorBoardLogger, "
+            "init_args: {save_dir: runs}}` to the config (or pass "
+            "`logger=TensorBoardLogger(...)` to the Trainer)")
+
+
+@runtime_checkable
+class RolloutData(Protocol):
+    """What the callbacks read from the datamodule (``TraceDataModule`` provides it)."""
+
+    last_step: RolloutStep | None
+    last_val_trees: dict
+    sync_diff: float | None
+    timings: dict[str, float]
+
+
+def check_datamodule(trainer: pl.Trainer, who: str) -> RolloutData:
+    """The trainer's datamodule, or a ValueError that says what to configure."""
+    dm = trainer.datamodule
+    if not isinstance(dm, RolloutData):
+        got = "no datamodule" if dm is None else f"{type(dm).__name__}"
+        raise ValueError(
+            f"callbacks.{who} reads each epoch's rollout step from the datamodule, but the "
+            f"trainer has {got}; use `data: {{class_path: trace_lightning.data.TraceDataModule"
+            f"}}` (a datamodule with `last_step`, `last_val_trees`, `sync_diff` and `timings`) "
+            f"or remove callbacks.{who} from `trainer.callbacks`")
+    return dm
+
+
+def check_logger(trainer: pl.Trainer, who: str, tensorboard: bool, what: str = "") -> None:
+    """Raise unless the trainer has a logger (a ``TensorBoardLogger`` when ``tensorboard``)."""
+    if tensorboard and tensorboard_logger(trainer) is None:
+        got = ", ".join(type(lg).__name__ for lg in trainer.loggers) or "no logger"
+        raise ValueError(f"callbacks.{who} writes {what or 'images and histograms'} that need a "
+                         f"TensorBoardLogger, but the trainer has {got}; {_TB_HINT}")
+    if not trainer.loggers:
+        raise ValueError(f"callbacks.{who} logs metrics but the trainer has no logger "
+                         f"(`trainer.logger: false`); {_TB_HINT}")
+
+
+def tensorboard_logger(trainer: pl.Trainer) -> TensorBoardLogger | None:
+    return next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+
+
+def log_step(trainer: pl.Trainer) -> int:
+    """The x-axis of Lightning's own ``self.log`` calls (see the module docstring)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def log_scalars(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    """Finite values to every logger, on global rank 0; NaN/inf (undefined) are left out."""
+    metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
+    if not metrics or not trainer.is_global_zero:
+        return
+    step = log_step(trainer)
+    for lg in trainer.loggers:
+        lg.log_metrics(metrics, step=step)
+
+
+def current_step(trainer: pl.Trainer, dm: RolloutData, who: str) -> RolloutStep | None:
+    """This epoch's step, or None (with a warning) when the datamodule has none for it."""
+    step = dm.last_step
+    if step is None or step.epoch != trainer.current_epoch:
+        rank_zero_warn(f"callbacks.{who}: the datamodule holds no rollout step for epoch "
+                       f"{trainer.current_epoch} (last_step is "
+                       f"{'None' if step is None else f'from epoch {step.epoch}'}); nothing "
+                       f"logged for it")
+        return None
+    return step
+
+
+def gather(trainer: pl.Trainer, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (a one-element list on a single process).
+
+    Every rank must call it (it is a collective when the world has several processes).
+    """
+    if trainer.world_size == 1 or not (torch.distributed.is_available()
+                                       and torch.distributed.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def figure_to_chw(fig) -> np.ndarray:
+    """Render a matplotlib ``Figure`` (Agg) to a CHW uint8 RGB array for ``add_image``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    rgba = np.asarray(canvas.buffer_rgba())  # (H, W, 4)
+    return np.ascontiguousarray(rgba[..., :3].transpose(2, 0, 1))  # (3, H, W)
+
+
+def epoch_summary(trainer: pl.Trainer, who: str) -> StepSummary | None:
+    """This epoch's step summarised over all ranks, or None when there is none.
+
+    A collective under several processes: every rank calls it in the same hook.
+    """
+    step = current_step(trainer, check_datamodule(trainer, who), who)
+    parts = gather(trainer, summarize_step(step) if step is not None else None)
+    parts = [p for p in parts if p is not None]
+    return merge_summaries(parts) if parts else None

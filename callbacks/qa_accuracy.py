@@ -1,0 +1,114 @@
+"""QAAccuracy: exact match and F1 per validation set (``val/<dataset>/*``, ``val/em``).
+
+Validation batches (``TraceModule.validation_step`` returns them) are dicts with
+``dataset`` (list[str], one name per question) and float tensors ``em``, ``f1``, ``reward``,
+``searches`` and ``malformed``. Per dataset a torchmetrics ``Metric`` keeps the sums and the
+question count (``dist_reduce_fx="sum"``), so under several processes the logged value is
+the mean over the union of every rank's questions, however unevenly they are split.
+
+Values are logged with ``pl_module.log`` in ``on_validation_epoch_end`` (already reduced,
+so ``sync_dist=False``): they land in ``trainer.callback_metrics`` (monitorable by
+``ModelCheckpoint``), in the list ``trainer.validate`` returns, and in every logger.
+``val/em`` and ``val/f1`` are the unweighted means over datasets (each set counts once).
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+from torchmetrics import Metric
+
+from callbacks._common import gather
+
+FIELDS = ("em", "f1", "reward", "searches", "malformed")
+
+
+class DatasetMeans(Metric):
+    """Means of the ``FIELDS`` of one dataset's questions, summed across processes."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("sums", default=torch.zeros(len(FIELDS), dtype=torch.float64),
+                       dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros((), dtype=torch.float64),
+                       dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor) -> None:
+        """``values``: (N, len(FIELDS)), one row per question (N may be 0)."""
+        self.sums += values.to(self.sums).sum(dim=0)  # (F,)
+        self.count += values.shape[0]
+
+    def compute(self) -> dict[str, float]:
+        n = float(self.count)
+        out = {k: (float(v) / n if n else float("nan")) for k, v in zip(FIELDS, self.sums)}
+        out["questions"] = n
+        return out
+
+
+class QAAccuracy(pl.Callback):
+    """EM, F1, reward, searches per question and malformed-answer share per validation set.
+
+    Args:
+        prefix: the metric namespace (``<prefix>/<dataset>/em``, ``<prefix>/em``).
+    """
+
+    def __init__(self, prefix: str = "val"):
+        self.prefix = prefix
+        self.metrics: dict[str, DatasetMeans] = {}
+        self.last_metrics: dict[str, float] = {}
+
+    def _metric(self, name: str, device: torch.device) -> DatasetMeans:
+        if name not in self.metrics:
+            self.metrics[name] = DatasetMeans().to(device)
+        return self.metrics[name]
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for m in self.metrics.values():
+            m.to(pl_module.device)
+            m.reset()
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not isinstance(outputs, dict) or "dataset" not in outputs or any(
+                k not in outputs for k in FIELDS):
+            got = sorted(outputs) if isinstance(outputs, dict) else type(outputs).__name__
+            raise ValueError(
+                f"callbacks.QAAccuracy needs validation_step to return the batch dict with "
+                f"'dataset' and {', '.join(repr(k) for k in FIELDS)} (as TraceModule does); "
+                f"got {got}")
+        names = [n or "unnamed" for n in outputs["dataset"]]
+        values = torch.stack([torch.as_tensor(outputs[k], dtype=torch.float64).reshape(-1)
+                              for k in FIELDS], dim=1)  # (N, F)
+        if values.shape[0] != len(names):
+            raise ValueError(f"callbacks.QAAccuracy: batch has {len(names)} dataset names but "
+                             f"{values.shape[0]} rows of {', '.join(FIELDS)}")
+        for name in dict.fromkeys(names):
+            rows = torch.tensor([i for i, n in enumerate(names) if n == name],
+                                device=values.device)
+            self._metric(name, pl_module.device).update(values[rows])
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # every rank must compute the same datasets in the same order (each compute syncs)
+        names = sorted({n for part in gather(trainer, sorted(self.metrics)) for n in part})
+        out: dict[str, float] = {}
+        for name in names:
+            m = self._metric(name, pl_module.device)
+            if m.update_count == 0:
+                m.update(torch.zeros(0, len(FIELDS)))  # a rank without this set adds nothing
+            for k, v in m.compute().items():
+                out[f"{self.prefix}/{name}/{k}"] = v
+            m.reset()
+        for k in ("em", "f1"):
+            per_set = [out[f"{self.prefix}/{n}/{k}"] for n in names]
+            per_set = [v for v in per_set if math.isfinite(v)]
+            if per_set:
+                out[f"{self.prefix}/{k}"] = sum(per_set) / len(per_set)
+        out = {k: v for k, v in out.items() if math.isfinite(v)}
+        self.last_metrics = out
+        for k, v in out.items():
+            pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=False,
+                          add_dataloader_idx=False)

@@ -1,0 +1,243 @@
+"""Hand-checked monitoring statistics (callbacks/_stats.py) on a hand-built step.
+
+``build_step`` is also used by tests/test_callbacks.py (and its two-process script).
+
+The step (3 opened prompts of 5 candidates; ``r`` = leaf reward, ``p`` = prediction)::
+
+    A (p .5)  r0: s(p .6) ─┬─ answer r=0   (bare)          leaves [0, 1, 1, 0]
+                           ├─ answer r=1   (continuation)   mixed; bare rewards [0, 1]
+                           └─ answer r=0   (continuation)
+              r1: answer r=1 (bare)
+    B (p .2)  r0: s(p .3) ── answer r=0                     leaves [0, 0, 0]
+              r1: s(p .1) ── s(p .05) ─┬─ answer r=0 (bare) not mixed; bare [0, 0]
+                                       └─ answer r=0 (continuation)
+    C (p .4)  r0: s(p .7) ─┬─ answer r=0 (bare)             leaves [0, 0, 1]
+                           └─ answer r=1 (continuation)     mixed; bare [0, 0]
+              r1: invalid r=0 (bare)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from callbacks._stats import (allocation_metrics, calibration_metrics, calibration_points,
+                              gini, merge_summaries, normalized_entropy, reward_variance_metrics,
+                              summarize_step)
+from trace_lightning import calibration
+from trace_lightning.collect import RolloutStep
+from trace_lightning.tree import Budget, RolloutTree
+
+
+def _turn(tree: RolloutTree, parent: int, rollout: int | None = None, *, action: str = "search",
+          reward: float | None = None, f1: float | None = None, prediction: float | None = None,
+          policy: int = 3, obs: int = 2):
+    """A turn with ``policy`` policy tokens and ``obs`` observation tokens (none on leaves)."""
+    finished = reward is not None
+    obs = 0 if finished else obs
+    n = tree.add_child(parent, rollout=rollout, token_ids=[7] * (policy + obs),
+                       logprobs=[-0.5] * policy + [0.0] * obs,
+                       policy_mask=[1] * policy + [0] * obs,
+                       text=f"<think>step under {parent}</think><{action}>x</{action}>",
+                       observation="" if finished else "Doc 1(Title: T) some passage text",
+                       action=action, argument="paris" if action == "answer" else "query",
+                       finished=finished, finish_reason=action if finished else "",
+                       reward=reward, em=reward, f1=f1)
+    n.prediction = prediction
+    return n
+
+
+def build_trees() -> list[RolloutTree]:
+    a = RolloutTree.new("q-a", "Where is A?", ["paris"], [1, 2, 3], "prompt A", "hotpotqa")
+    a.root.prediction = 0.5
+    a1 = _turn(a, 0, 0, prediction=0.6)
+    _turn(a, a1.id, action="answer", reward=0.0, f1=0.2)
+    _turn(a, 0, 1, action="answer", reward=1.0, f1=1.0)
+    a1.continuations = 2
+    _turn(a, a1.id, action="answer", reward=1.0, f1=1.0)
+    _turn(a, a1.id, action="answer", reward=0.0, f1=0.0)
+
+    b = RolloutTree.new("q-b", "Who is B?", ["bob", "robert"], [1, 2], "prompt B", "hotpotqa")
+    b.root.prediction = 0.2
+    b1 = _turn(b, 0, 0, prediction=0.3)
+    _turn(b, b1.id, action="answer", reward=0.0, f1=0.0)
+    b3 = _turn(b, 0, 1, prediction=0.1)
+    b4 = _turn(b, b3.id, prediction=0.05)
+    _turn(b, b4.id, action="answer", reward=0.0, f1=0.5)
+    b4.continuations = 1
+    _turn(b, b4.id, action="answer", reward=0.0, f1=0.0)
+
+    c = RolloutTree.new("q-c", "When was C?", ["1999"], [1, 2, 3, 4], "prompt C", "hotpotqa")
+    c.root.prediction = 0.4
+    c1 = _turn(c, 0, 0, prediction=0.7)
+    _turn(c, c1.id, action="answer", reward=0.0, f1=0.4)
+    _turn(c, 0, 1, action="invalid", reward=0.0, f1=0.0)
+    c1.continuations = 1
+    _turn(c, c1.id, action="answer", reward=1.0, f1=1.0)
+    for t in (a, b, c):
+        t.compute_values()
+    return [a, b, c]
+
+
+def build_step(epoch: int = 0, trees: list[RolloutTree] | None = None,
+               root_plan: list[int] | None = None, predictions: bool = True) -> RolloutStep:
+    """The step drawn above (or ``trees``), with GRPO-centred advantages ``r - mean_tree``."""
+    trees = build_trees() if trees is None else trees
+    if not predictions:
+        for t in trees:
+            for n in t.nodes:
+                n.prediction = None
+    seqs = []
+    for t in trees:
+        leaves = t.flatten()
+        mu = sum(s.reward for s in leaves) / len(leaves)
+        for s in leaves:
+            s.advantage = s.reward - mu
+        seqs += leaves
+    return RolloutStep(epoch=epoch, trees=trees, candidates=5,
+                       root_plan=[2, 0, 2, 2, 0] if root_plan is None else root_plan,
+                       sequences=seqs,
+                       budget=Budget(leaves=sum(len(t.leaves()) for t in trees),
+                                     generated_tokens=500, prefill_tokens=800, cached_tokens=200,
+                                     tool_calls=6),
+                       pool_returned=1, seconds={"rollout": 2.0, "predict": 0.5},
+                       cold_start=False)
+
+
+# ---- expected values, derived by hand ------------------------------------------------------
+STD_2_9 = math.sqrt(2 / 9)  # population std of {0, 0, 1} or {0, 1, 0}: var = 2/9
+EXPECTED_ROLLOUT = {
+    # 10 leaves, 3 successes
+    "rollout/reward_mean": 0.3,
+    "rollout/reward_std": math.sqrt(0.3 * 0.7),
+    # prompts: A {0,1,1,0} -> 0.5, B {0,0,0} -> 0, C {0,0,1} -> sqrt(2/9)
+    "rollout/prompt_reward_std_mean": (0.5 + 0 + STD_2_9) / 3,
+    "rollout/prompt_reward_std_min": 0.0,
+    "rollout/prompt_reward_std_max": 0.5,
+    # branched subtrees: A r0 {0,1,0} -> sqrt(2/9), B r1 {0,0} -> 0, C r0 {0,1} -> 0.5
+    "rollout/subtree_reward_std_mean": (STD_2_9 + 0 + 0.5) / 3,
+    "rollout/subtree_reward_std_min": 0.0,
+    "rollout/subtree_reward_std_max": 0.5,
+    # mixed: A, C; bare rollouts: A {0,1} mixed, B {0,0}, C {0,0} zero-variance
+    "rollout/effective_ratio": 2 / 3,
+    "rollout/zero_std_share": 1 / 3,
+    "rollout/zero_std_share_bare": 2 / 3,
+    "rollout/em": 0.3,
+    # f1: A .2+1+1+0, B 0+.5+0, C .4+0+1 -> 4.1 / 10
+    "rollout/f1": 0.41,
+    # advantages r - mean: all 4 of A and 3 of C non-zero, B's 3 zero -> 7/10
+    "rollout/informative_leaf_share": 0.7,
+}
+# leaves per opened prompt [4, 3, 3]: sum |x_i - x_j| over ordered pairs = 4 (4-3 four times);
+# gini = 4 / (2 * 3 * 10) = 1/15; entropy = H(.4, .3, .3) / ln 3
+H = -(0.4 * math.log(0.4) + 2 * 0.3 * math.log(0.3))
+EXPECTED_ALLOC = {
+    "alloc/candidates": 5, "alloc/prompts_opened": 3, "alloc/prompts_filtered": 2,
+    "alloc/root_gini": 0.0,  # m = [2, 2, 2]
+    "alloc/leaves_per_prompt_gini": 1 / 15,
+    "alloc/leaves_per_prompt_entropy": H / math.log(3),  # 0.99118
+    "alloc/leaves_per_prompt_max": 4,
+    "alloc/branched_prefixes": 3,
+    # continuations [2, 1, 1] at depths [1, 2, 1]: (2*1 + 1*2 + 1*1) / 4
+    "alloc/branch_depth_mean": 1.25,
+    "alloc/pool_returned": 1, "alloc/cold_start": 0.0, "alloc/effective_ratio": 2 / 3,
+    "alloc/leaves": 10, "alloc/generated_tokens": 500, "alloc/tool_calls": 6,
+}
+# 8 predicted nodes (p, y, w): B (.05,0,2) (.1,0,2) (.2,0,3) (.3,0,1); C (.4,1/3,3) (.7,.5,2);
+# A (.5,.5,4) (.6,1/3,3). W = 20.
+# brier: sum w (p-y)^2 = .005+.02+.12+.09 + .013333+.08 + 0+.213333 = .541667 -> /20
+# baseline: ybar = (2+1+1+1)/20 = .25; sum w (y-.25)^2 = 8*.0625 + .25 + 2*.020833 + .125
+#           = .916667 -> /20;  skill = 1 - .541667/.916667 = 9/22
+# ece: every node alone in its bin: sum w |p-y| = .1+.2+.6+.3+.2+.4+0+.8 = 2.6 -> /20 = .13
+# spearman: p ranks 1..8 (order above: B.05 B.1 B.2 B.3 C.4 A.5 A.6 C.7), y ranks
+#           [2.5]*4 + [5.5, 7.5, 5.5, 7.5]: 34 / sqrt(42 * 36)
+EXPECTED_PREDICTOR = {
+    "predictor/brier": 0.541667 / 20, "predictor/brier_baseline": 0.916667 / 20,
+    "predictor/brier_skill": 9 / 22, "predictor/ece": 0.13,
+    "predictor/spearman": 34 / math.sqrt(42 * 36),
+    "predictor/prediction_mean": (0.05 + 0.1 + 0.2 + 0.3 + 0.4 + 0.7 + 0.5 + 0.6) / 8,
+    "predictor/nodes": 8, "predictor/roots": 3,
+}
+
+
+def _check(got: dict, expected: dict) -> None:
+    missing = sorted(set(expected) - set(got))
+    assert not missing, f"missing keys {missing}"
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+# ---- generic functions ---------------------------------------------------------------------
+def test_gini():
+    # [4, 0, 0, 4]: |4-0| in 8 ordered pairs -> 32; 2 n^2 mean = 2 * 16 * 2 = 64 -> 0.5
+    assert gini([4, 0, 0, 4]) == pytest.approx(0.5)
+    assert gini([3, 3, 3]) == 0.0
+    assert gini([0, 0]) == 0.0
+    # one prompt takes everything of n: (n - 1) / n
+    assert gini([8, 0, 0, 0]) == pytest.approx(0.75)
+    assert math.isnan(gini([]))
+    with pytest.raises(ValueError):
+        gini([1, -1])
+
+
+def test_normalized_entropy():
+    # [4, 0, 0, 4]: H = ln 2 over ln 4 = 0.5 (zeros count in n)
+    assert normalized_entropy([4, 0, 0, 4]) == pytest.approx(0.5)
+    assert normalized_entropy([2, 2, 2, 2]) == pytest.approx(1.0)
+    assert normalized_entropy([5, 0, 0]) == pytest.approx(0.0)
+    assert normalized_entropy([7]) == 1.0
+    assert math.isnan(normalized_entropy([])) and math.isnan(normalized_entropy([0, 0]))
+
+
+# ---- on the hand-built step ----------------------------------------------------------------
+def test_reward_variance_on_hand_built_step():
+    _check(reward_variance_metrics(summarize_step(build_step())), EXPECTED_ROLLOUT)
+
+
+def test_allocation_on_hand_built_step():
+    scalars, hists = allocation_metrics(summarize_step(build_step()))
+    _check(scalars, EXPECTED_ALLOC)
+    assert sorted(hists["alloc/leaves_per_prompt"]) == [3, 3, 4]
+    assert sorted(hists["alloc/continuations_per_prefix"]) == [1, 1, 2]
+    assert sorted(hists["alloc/branch_depth"]) == [1, 1, 2]
+
+
+def test_calibration_on_hand_built_step_matches_library():
+    pts = calibration_points(build_step().trees)
+    got = calibration_metrics(pts)
+    _check(got, EXPECTED_PREDICTOR)
+    # the numbers flow through trace_lightning.calibration unchanged
+    assert got["predictor/brier"] == calibration.brier(pts.p, pts.y, pts.w)
+    assert got["predictor/ece"] == calibration.expected_calibration_error(pts.p, pts.y, pts.w)
+
+
+def test_split_over_ranks_merges_to_the_same_metrics():
+    """Two ranks holding {A, B} and {C} give, merged, the one-process numbers."""
+    a, b, c = build_trees()
+    r0 = build_step(trees=[a, b])
+    r1 = build_step(trees=[c])
+    r1.budget, r0.budget = Budget(leaves=3, generated_tokens=200, prefill_tokens=300,
+                                  cached_tokens=50, tool_calls=2), \
+        Budget(leaves=7, generated_tokens=300, prefill_tokens=500, cached_tokens=150, tool_calls=4)
+    r0.pool_returned, r1.pool_returned = 1, 0
+    merged = merge_summaries([summarize_step(r0), summarize_step(r1)])
+    _check(reward_variance_metrics(merged), EXPECTED_ROLLOUT)
+    _check(allocation_metrics(merged)[0], EXPECTED_ALLOC)
+    # a mean of the ranks' effective ratios would be (1/2 + 1) / 2 = .75, not 2/3
+    assert reward_variance_metrics(summarize_step(r0))["rollout/effective_ratio"] == 0.5
+
+
+def test_empty_and_uniform_steps_log_what_is_defined():
+    empty = summarize_step(build_step(trees=[], root_plan=[0] * 5))
+    assert reward_variance_metrics(empty) == {}
+    scalars, hists = allocation_metrics(empty)
+    assert hists == {} and scalars["alloc/prompts_filtered"] == 5
+    assert all(math.isfinite(v) or k == "alloc/root_gini" for k, v in scalars.items())
+    # no predictions (uniform allocator, cold start): no predictor metrics
+    assert calibration_metrics(calibration_points(build_step(predictions=False).trees)) == {}
+    # one all-failure prompt: no contrast anywhere
+    got = reward_variance_metrics(summarize_step(build_step(trees=[build_trees()[1]])))
+    assert got["rollout/zero_std_share"] == 1.0 and got["rollout/informative_leaf_share"] == 0.0
+    assert np.isclose(got["rollout/prompt_reward_std_max"], 0.0)

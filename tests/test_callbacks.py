@@ -1,0 +1,383 @@
+"""The monitoring callbacks under a real Trainer and TensorBoardLogger, read back from disk.
+
+The RL pipeline is replaced by ``StepData``, a test double of the datamodule's monitoring
+surface (``last_step``, ``last_val_trees``, ``sync_diff``, ``timings``) that serves
+hand-built steps (tests/test_callback_stats.py) the way ``TraceDataModule`` does: the step
+of epoch ``e`` is built inside ``train_dataloader``. Everything else is real: the Trainer's
+hook order, the logger, the event files and TensorBoard's own reader.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader
+
+from callbacks import (AllocationSpread, PredictorCalibration, QAAccuracy, RewardVariance,
+                       Throughput, TreeSamples)
+from test_callback_stats import (EXPECTED_ALLOC, EXPECTED_PREDICTOR, EXPECTED_ROLLOUT,
+                                 build_step)
+
+REPO = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+# validation rows: hotpotqa em [1, 0, 1], nq em [0, 0]
+VAL_ROWS = {
+    "hotpotqa": [dict(dataset="hotpotqa", em=1.0, f1=1.0, reward=1.0, searches=2.0,
+                      malformed=0.0),
+                 dict(dataset="hotpotqa", em=0.0, f1=0.5, reward=0.0, searches=1.0,
+                      malformed=0.0),
+                 dict(dataset="hotpotqa", em=1.0, f1=1.0, reward=1.0, searches=0.0,
+                      malformed=1.0)],
+    "nq": [dict(dataset="nq", em=0.0, f1=0.2, reward=0.0, searches=1.0, malformed=0.0),
+           dict(dataset="nq", em=0.0, f1=0.0, reward=0.0, searches=1.0, malformed=1.0)],
+}
+EXPECTED_VAL = {
+    "val/hotpotqa/em": 2 / 3, "val/hotpotqa/f1": 2.5 / 3, "val/hotpotqa/reward": 2 / 3,
+    "val/hotpotqa/searches": 1.0, "val/hotpotqa/malformed": 1 / 3,
+    "val/hotpotqa/questions": 3.0,
+    "val/nq/em": 0.0, "val/nq/f1": 0.1, "val/nq/reward": 0.0, "val/nq/searches": 1.0,
+    "val/nq/malformed": 0.5, "val/nq/questions": 2.0,
+    "val/em": (2 / 3 + 0.0) / 2, "val/f1": (2.5 / 3 + 0.1) / 2,
+}
+EXPECTED_PERF = {
+    "perf/rollout_tokens_per_s": 500 / 2.0, "perf/rollout_s": 2.0, "perf/predict_s": 0.5,
+    "perf/sync_s": 0.25, "perf/sync_logprob_diff": 0.003, "perf/prefix_cache_share": 200 / 800,
+}
+
+
+def collate_rows(rows: list[dict]) -> dict:
+    """As ``trace_lightning.data._collate_rows``: tensors per field, names as a list."""
+    return {k: (torch.tensor([r[k] for r in rows]) if k != "dataset" else [r[k] for r in rows])
+            for k in rows[0]}
+
+
+class StepData(L.LightningDataModule):
+    """Serves ``steps[epoch]`` as ``last_step`` when the train dataloader is (re)built."""
+
+    def __init__(self, steps: list, val_rows: dict[str, list[dict]] | None = None):
+        super().__init__()
+        self.steps = steps
+        self.val_rows = VAL_ROWS if val_rows is None else val_rows
+        self.last_step = None
+        self.last_val_trees: dict = {}
+        self.sync_diff: float | None = None
+        self.timings: dict[str, float] = {}
+
+    def train_dataloader(self) -> DataLoader:
+        epoch = self.trainer.current_epoch
+        self.last_step = self.steps[min(epoch, len(self.steps) - 1)]
+        self.sync_diff, self.timings["sync"] = 0.003, 0.25
+        return DataLoader(torch.arange(4.0).reshape(4, 1), batch_size=2)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return [DataLoader(rows, batch_size=2, collate_fn=collate_rows)
+                for rows in self.val_rows.values()]
+
+
+class TinyModule(L.LightningModule):
+    """A linear layer; validation_step returns the batch, as TraceModule does."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.w(batch).pow(2).mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        return batch
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def all_callbacks(jsonl: bool = False) -> list:
+    return [RewardVariance(), AllocationSpread(), QAAccuracy(), PredictorCalibration(),
+            TreeSamples(jsonl=jsonl), Throughput()]
+
+
+def trainer(tmp_path: Path, callbacks: list, logger="tb", **kw) -> L.Trainer:
+    if logger == "tb":
+        logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    opts = dict(max_epochs=1, accelerator="cpu", devices=1, logger=logger,
+                callbacks=callbacks, reload_dataloaders_every_n_epochs=1,
+                enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, log_every_n_steps=1, default_root_dir=str(tmp_path))
+    opts.update(kw)
+    return L.Trainer(**opts)
+
+
+def read_events(log_dir: str):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(log_dir, size_guidance={ea.SCALARS: 0, ea.IMAGES: 0,
+                                                      ea.HISTOGRAMS: 0, ea.TENSORS: 0})
+    acc.Reload()
+    return acc
+
+
+def metrics_table() -> list[tuple[str, str, str]]:
+    """(key, type, when) for every row of callbacks/METRICS.md."""
+    rows = []
+    for line in (REPO / "callbacks" / "METRICS.md").read_text().splitlines():
+        m = re.match(r"\| `([^`]+)` \| (\w+) \| \w+ \| .* \| (.*) \|$", line)
+        if m:
+            rows.append(m.groups())
+    return rows
+
+
+# ---- one real run, read back ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """3 epochs: the hand-built step; the same without predictions; an empty step."""
+    tmp = tmp_path_factory.mktemp("callbacks")
+    steps = [build_step(0), build_step(1, predictions=False),
+             build_step(2, trees=[], root_plan=[0] * 5)]
+    steps[2].sequences, steps[2].seconds = [], {"rollout": 0.0, "predict": 0.0}
+    dm, model = StepData(steps), TinyModule()
+    t = trainer(tmp, all_callbacks(jsonl=True), max_epochs=3)
+    t.fit(model, datamodule=dm)
+    fit_metrics = {k: float(v) for k, v in t.callback_metrics.items()}
+    validated = t.validate(model, datamodule=dm, verbose=False)
+    return {"trainer": t, "events": read_events(t.logger.log_dir), "fit": fit_metrics,
+            "validate": validated[0], "log_dir": t.logger.log_dir}
+
+
+def _first(acc, key: str) -> float:
+    return acc.Scalars(key)[0].value
+
+
+def test_metrics_table_lists_every_key_and_they_are_all_written(run):
+    acc = run["events"]
+    tags = acc.Tags()
+    found = {"scalar": set(tags["scalars"]), "histogram": set(tags["histograms"]),
+             "image": set(tags["images"]),
+             "text": {t.removesuffix("/text_summary") for t in tags["tensors"]}}
+    table = metrics_table()
+    assert len(table) > 50
+    expected = set()
+    for key, kind, when in table:
+        if "CUDA" in when:
+            continue  # CPU test machine
+        keys = [key.replace("<dataset>", d) for d in VAL_ROWS] if "<dataset>" in key else [key]
+        for k in keys:
+            expected.add(k)
+            assert k in found[kind], f"{kind} {k} (METRICS.md) was not written"
+    # and nothing namespaced is written that the table does not list
+    ours = re.compile(r"^(rollout|alloc|val|predictor|perf|samples)/")
+    written = {k for kind in found.values() for k in kind if ours.match(k)}
+    assert written - expected == set(), "keys missing from METRICS.md"
+
+
+def test_values_of_the_hand_built_step(run):
+    acc = run["events"]
+    for expected in (EXPECTED_ROLLOUT, EXPECTED_ALLOC, EXPECTED_PREDICTOR, EXPECTED_PERF):
+        for k, v in expected.items():
+            assert _first(acc, k) == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    # epoch-start values sit at the step of the epoch's first training batch (2 per epoch)
+    assert [e.step for e in acc.Scalars("rollout/reward_mean")] == [0, 2]
+    assert [e.step for e in acc.Scalars("alloc/prompts_filtered")] == [0, 2, 4]
+    # predictions only in epoch 0; the empty epoch 2 logs no rollout statistics
+    assert len(acc.Scalars("predictor/brier")) == 1
+    assert [e.value for e in acc.Scalars("alloc/prompts_filtered")] == [2, 2, 5]
+    for k in ("perf/train_s", "perf/train_tokens_per_s", "perf/epoch_s", "perf/rss_gb",
+              "perf/peak_rss_gb"):
+        values = [e.value for e in acc.Scalars(k)]
+        assert len(values) == 3 and all(v > 0 for v in values[:2]), k
+    # policy tokens: every leaf path's policy tokens = 3 per turn
+    step = build_step()
+    tokens = sum(sum(s.policy_mask) for s in step.sequences)
+    e0 = acc.Scalars("perf/train_tokens_per_s")[0].value * acc.Scalars("perf/train_s")[0].value
+    assert e0 == pytest.approx(tokens, rel=1e-4)
+
+
+def test_histograms(run):
+    h = run["events"].Histograms("alloc/leaves_per_prompt")[0].histogram_value
+    assert (h.num, h.sum, h.min, h.max) == (3, 10, 3, 4)
+    h = run["events"].Histograms("alloc/continuations_per_prefix")[0].histogram_value
+    assert (h.num, h.sum) == (3, 4)
+
+
+def test_images_are_pngs(run):
+    import matplotlib.image
+
+    for tag in ("predictor/reliability", "samples/tree"):
+        events = run["events"].Images(tag)
+        assert events, tag
+        png = events[0].encoded_image_string
+        assert png.startswith(PNG), tag
+        img = matplotlib.image.imread(io.BytesIO(png), format="png")
+        assert img.ndim == 3 and img.shape[0] == events[0].height > 100, tag
+        assert img.std() > 0.01, f"{tag} is blank"
+
+
+def test_tree_text_and_jsonl(run):
+    from trace_lightning.tree import read_jsonl
+
+    events = run["events"].Tensors("samples/trees/text_summary")
+    assert len(events) == 2  # epochs 0 and 1; the empty epoch has no trees
+    text = events[0].tensor_proto.string_val[0].decode()
+    # mixed trees first: A (4 leaves, one branch) then C
+    assert text.index("Where is A?") < text.index("When was C?")
+    assert "Who is B?" not in text
+    assert "branched: +2 continuations" in text and "reward 1.00 ok" in text
+    assert "obs:  Doc 1(Title: T)" in text and "**gold:** paris" in text
+    trees = list(read_jsonl(Path(run["log_dir"]) / "trees" / "epoch_0_rank_0.jsonl"))
+    assert [t.tree_id for t in trees] == ["q-a", "q-b", "q-c"]
+    assert trees[0].nodes[1].continuations == 2
+
+
+def test_qa_accuracy_in_tensorboard_callback_metrics_and_validate(run):
+    acc = run["events"]
+    for k, v in EXPECTED_VAL.items():
+        values = [e.value for e in acc.Scalars(k)]
+        # one validation per fit epoch (sanity check discarded) + trainer.validate
+        assert len(values) == 4, k
+        assert values == pytest.approx([v] * 4, rel=1e-6), k
+        assert run["fit"][k] == pytest.approx(v, rel=1e-6), k
+        assert run["validate"][k] == pytest.approx(v, rel=1e-6), k
+
+
+# ---- boundary checks -----------------------------------------------------------------------
+@pytest.mark.parametrize("callback", [AllocationSpread(), PredictorCalibration(), TreeSamples()])
+@pytest.mark.parametrize("logger", [False, "csv"])
+def test_missing_tensorboard_logger_fails_at_setup(tmp_path, callback, logger):
+    if logger == "csv":
+        logger = CSVLogger(str(tmp_path))
+    dm = StepData([build_step(0)])
+    with pytest.raises(ValueError, match="TensorBoardLogger") as e:
+        trainer(tmp_path, [callback], logger=logger).fit(TinyModule(), datamodule=dm)
+    assert "trainer.logger" in str(e.value)
+    assert dm.last_step is None  # failed before the first rollout
+
+
+def test_scalar_callbacks_accept_any_logger_but_not_none(tmp_path):
+    dm = StepData([build_step(0)])
+    t = trainer(tmp_path, [RewardVariance(), Throughput(), AllocationSpread(histograms=False),
+                           PredictorCalibration(diagram=False)], logger=CSVLogger(str(tmp_path)))
+    t.fit(TinyModule(), datamodule=dm)
+    lines = (Path(t.logger.log_dir) / "metrics.csv").read_text()
+    assert "rollout/effective_ratio" in lines and "alloc/root_gini" in lines
+    with pytest.raises(ValueError, match="no logger"):
+        trainer(tmp_path, [RewardVariance()], logger=False).fit(TinyModule(), datamodule=dm)
+
+
+def test_wrong_datamodule_fails_at_setup(tmp_path):
+    class Plain(L.LightningDataModule):
+        def train_dataloader(self):
+            return DataLoader(torch.zeros(2, 1), batch_size=1)
+
+    with pytest.raises(ValueError, match="TraceDataModule"):
+        trainer(tmp_path, [RewardVariance()]).fit(TinyModule(), datamodule=Plain())
+
+
+def test_qa_accuracy_rejects_a_validation_step_without_the_batch(tmp_path):
+    class NoOutputs(TinyModule):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            return None
+
+    with pytest.raises(ValueError, match="validation_step to return the batch"):
+        trainer(tmp_path, [QAAccuracy()]).validate(NoOutputs(), datamodule=StepData([]))
+
+
+# ---- two processes -------------------------------------------------------------------------
+DDP_SCRIPT = r'''
+import json, sys
+import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
+from callbacks import QAAccuracy, RewardVariance
+from test_callbacks import StepData, TinyModule
+from test_callback_stats import build_step, build_trees
+
+def row(ds, em):
+    return dict(dataset=ds, em=em, f1=em, reward=em, searches=1.0, malformed=0.0)
+
+class RankData(StepData):
+    """Rank 0: trees A, B; 2 hotpotqa + 1 nq questions. Rank 1: tree C; 4 + 2 questions."""
+    def train_dataloader(self):
+        a, b, c = build_trees()
+        rank = self.trainer.global_rank
+        self.steps = [build_step(0, trees=[a, b] if rank == 0 else [c])]
+        return super().train_dataloader()
+    def val_dataloader(self):
+        if self.trainer.global_rank == 0:
+            self.val_rows = {"hotpotqa": [row("hotpotqa", 1.0)] * 2, "nq": [row("nq", 1.0)]}
+        else:
+            self.val_rows = {"hotpotqa": [row("hotpotqa", x) for x in (0.0, 0.0, 0.0, 1.0)],
+                             "nq": [row("nq", 0.0)] * 2}
+        return super().val_dataloader()
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    t = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1,
+                  logger=TensorBoardLogger(out, name="tb", version=0),
+                  callbacks=[RewardVariance(), QAAccuracy()], use_distributed_sampler=False,
+                  reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
+                  enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, log_every_n_steps=1)
+    dm, model = RankData([]), TinyModule()
+    t.fit(model, datamodule=dm)
+    fit = {k: float(v) for k, v in t.callback_metrics.items()}
+    validated = t.validate(model, datamodule=dm, verbose=False)[0]
+    if t.global_rank == 0:
+        with open(f"{out}/result.json", "w") as f:
+            json.dump({"fit": fit, "validate": validated, "log_dir": t.logger.log_dir}, f)
+'''
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_reduce_over_the_union_of_examples(tmp_path):
+    """Two CPU processes (gloo), started side by side as torchrun would (Lightning sees
+    LOCAL_RANK and joins them instead of re-launching the script one after the other)."""
+    script = tmp_path / "ddp_script.py"
+    script.write_text(DDP_SCRIPT)
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+                NODE_RANK="0")
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
+                              env=dict(base, LOCAL_RANK=str(r), RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{out[-4000:]}"
+    res = json.loads((tmp_path / "result.json").read_text())
+    # union: hotpotqa (1+1+0+0+0+1)/6 = .5 (a mean of the ranks' means: (1 + .25)/2 = .625);
+    # nq (1+0+0)/3 (mean of means .5); val/em = (.5 + 1/3) / 2
+    expected = {"val/hotpotqa/em": 0.5, "val/nq/em": 1 / 3, "val/em": (0.5 + 1 / 3) / 2,
+                "val/hotpotqa/questions": 6, "val/nq/questions": 3}
+    for k, v in expected.items():
+        assert res["fit"][k] == pytest.approx(v), k
+        assert res["validate"][k] == pytest.approx(v), k
+    acc = read_events(res["log_dir"])
+    # trees split {A, B} / {C}: the merged statistics equal the one-process ones
+    for k in ("rollout/effective_ratio", "rollout/zero_std_share_bare", "rollout/reward_mean",
+              "rollout/informative_leaf_share", "rollout/prompt_reward_std_mean"):
+        assert _first(acc, k) == pytest.approx(EXPECTED_ROLLOUT[k], rel=1e-5), k
+    assert math.isclose(_first(acc, "val/em"), (0.5 + 1 / 3) / 2, rel_tol=1e-6)
