@@ -30,8 +30,9 @@ def main(args: list[str] | None = None) -> TraceCLI:
     return TraceCLI(
         TraceModule, TraceDataModule,
         args=args,
+        # the DataModule shards prompts over ranks itself: no DistributedSampler on top
         trainer_defaults={"reload_dataloaders_every_n_epochs": 1, "num_sanity_val_steps": 0,
-                          "check_val_every_n_epoch": 1},
+                          "check_val_every_n_epoch": 1, "use_distributed_sampler": False},
         save_config_kwargs={"overwrite": True},
         subclass_mode_model=False, subclass_mode_data=False,
     )

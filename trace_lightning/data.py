@@ -157,6 +157,8 @@ class TraceDataModule(L.LightningDataModule):
                  train_limit: int | None = None, trees_dir: str | None = None,
                  demo: DemoConfig | None = None, oracle_samples: int = 8, seed: int = 0):
         super().__init__()
+        # a validation set smaller than the number of ranks leaves some ranks empty
+        self.allow_zero_length_dataloader_with_multiple_devices = True
         self.train_path, self.corpus, self.retriever_url = train, corpus, retriever_url
         self.val_sets = list(val or [])
         self.policy_path = policy_path
@@ -212,16 +214,20 @@ class TraceDataModule(L.LightningDataModule):
     # ---- Lightning hooks ----------------------------------------------------------------
     def prepare_data(self) -> None:
         if self.demo is not None:
-            from trace_lightning.demo import prepare_demo
+            from trace_lightning.demo.prepare import DemoPaths, prepare_demo
 
+            model_dir = DemoPaths.under(self.demo.out_dir).model
+            if Path(self.policy_path).resolve() != model_dir.resolve():
+                raise ValueError(f"--model.policy_path ({self.policy_path!r}) must be the demo's "
+                                 f"policy {str(model_dir)!r} when --data.demo is set; set it so")
             prepare_demo(self.demo.out_dir, seed=self.demo.seed, eval_seed=self.demo.eval_seed,
                          warm_start_steps=self.demo.warm_start_steps, **self.demo.options)
 
     def setup(self, stage: str) -> None:
         if self.demo is not None:
-            from trace_lightning.demo import demo_paths
+            from trace_lightning.demo.prepare import DemoPaths
 
-            paths = demo_paths(self.demo.out_dir)
+            paths = DemoPaths.under(self.demo.out_dir)
             self.train_path, self.corpus = str(paths.train_qa), str(paths.train_corpus)
             if not self.val_sets:
                 self.val_sets = [EvalSet("demo_heldout", str(paths.eval_qa),
