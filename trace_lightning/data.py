@@ -65,6 +65,11 @@ class EngineConfig:
         max_model_len: the engine's context; at least env.max_seq_tokens + sampling.max_tokens.
         enable_sleep_mode: free the engine's GPU memory while training (GPU only).
         tensor_parallel_size: vLLM tensor parallelism.
+        enforce_eager: vLLM without compilation / CUDA graphs (fast start, for CPU demos).
+        block_size: vLLM KV-cache block in tokens (None: vLLM's default); the prefix cache
+            reuses whole blocks, so small blocks help tree continuations.
+        kv_cache_memory_gb: vLLM KV-cache size in GiB (None: from gpu_memory_utilization).
+        batch_size: prompts per generate call of the "hf" engine.
         sync_atol: largest log-prob difference the weight-sync check accepts.
     """
 
@@ -74,7 +79,23 @@ class EngineConfig:
     max_model_len: int = 4096
     enable_sleep_mode: bool = False
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    block_size: int | None = None
+    kv_cache_memory_gb: float | None = None
+    batch_size: int = 32
     sync_atol: float = 1e-3
+
+    def build(self, model_path: str, seed: int, device: str):
+        """The engine on ``model_path``."""
+        if self.kind == "hf":
+            return build_engine("hf", model_path, dtype=self.dtype, device=device,
+                                batch_size=self.batch_size, seed=seed)
+        return build_engine(
+            "vllm", model_path, dtype=self.dtype, seed=seed, max_model_len=self.max_model_len,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_sleep_mode=self.enable_sleep_mode,
+            tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
+            block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_memory_gb)
 
 
 @dataclass
@@ -250,11 +271,8 @@ class TraceDataModule(L.LightningDataModule):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.policy_path)
-            e = self.engine_cfg
-            self.engine = build_engine(
-                e.kind, self.policy_path, dtype=e.dtype, seed=self.seed,
-                max_model_len=e.max_model_len, gpu_memory_utilization=e.gpu_memory_utilization,
-                enable_sleep_mode=e.enable_sleep_mode, tensor_parallel_size=e.tensor_parallel_size)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.engine = self.engine_cfg.build(self.policy_path, self.seed, device)
 
     def _retriever(self, corpus: str | None) -> Retriever:
         key = corpus or self.retriever_url or ""

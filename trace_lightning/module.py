@@ -88,6 +88,7 @@ class TraceModule(L.LightningModule):
                 f"--model.policy_path ({self.hparams.policy_path!r}) could not be loaded ({e}); "
                 f"give a directory saved with save_pretrained, or set --data.demo so the demo "
                 f"policy is built there") from e
+        self.policy.train()  # from_pretrained returns eval mode
         if self.hparams.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if self.hparams.kl_coef > 0:

@@ -1,0 +1,152 @@
+"""End to end: `trace-lightning fit` / `validate` through the real CLI, engine, retriever and
+Trainer on a small demo world; checkpoint resume; errors before any work starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trace_lightning.cli import main
+from trace_lightning.tree import read_jsonl
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+# a small world and a short warm start: the pipeline is what is tested here
+SMALL_DEMO = {"n_people": 60, "n_cities": 12, "n_countries": 4, "n_companies": 12,
+              "n_questions": 80, "n_eval_questions": 16, "warm_questions": 200,
+              "warm_start_batch": 8, "warm_start_threads": 1,
+              "model": {"hidden_size": 64, "layers": 2, "intermediate": 128}}
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> Path:
+    from trace_lightning.demo.prepare import prepare_demo
+
+    out = tmp_path_factory.mktemp("demo") / "world"
+    prepare_demo(out, warm_start_steps=40, **SMALL_DEMO)
+    return out
+
+
+def demo_args(demo_dir: Path, root: Path, epochs: int, *extra: str) -> list[str]:
+    return [
+        "--config", str(REPO / "configs" / "demo.yaml"),
+        f"--trainer.max_epochs={epochs}", f"--trainer.default_root_dir={root}",
+        f"--trainer.logger.init_args.save_dir={root}",
+        f"--model.policy_path={demo_dir / 'model'}",
+        f"--data.demo.out_dir={demo_dir}", "--data.demo.warm_start_steps=40",
+        f"--data.demo.options={json.dumps(SMALL_DEMO)}",
+        "--data.allocator.roots=8", "--data.allocator.group_size=4",
+        "--data.allocator.cold_start_nodes=0", "--data.allocator.explore_fraction=0.25",
+        "--data.candidates_per_step=16", "--data.minibatches_per_step=2",
+        "--model.predictor_epochs=2",
+        f"--data.trees_dir={root / 'trees'}", *extra,
+    ]
+
+
+def scalars(root: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = sorted((root / "tensorboard").glob("version_*"))[-1:]
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
+    # A: two epochs straight
+    a = tmp_path / "a"
+    main(["fit", *demo_args(demo_dir, a, 2)])
+    # B: one epoch, "killed", then resumed from its last checkpoint for the second
+    b = tmp_path / "b"
+    main(["fit", *demo_args(demo_dir, b, 1)])
+    ckpt = b / "tensorboard" / "version_0" / "checkpoints" / "last.ckpt"
+    if not ckpt.exists():
+        ckpt = next(b.rglob("last.ckpt"))
+    main(["fit", *demo_args(demo_dir, b, 2), f"--ckpt_path={ckpt}"])
+
+    # the same second-epoch trees: same prompts, same allocation, same sampled tokens
+    ta = list(read_jsonl(a / "trees" / "epoch_1_rank_0.jsonl"))
+    tb = list(read_jsonl(b / "trees" / "epoch_1_rank_0.jsonl"))
+    assert [t.tree_id for t in ta] == [t.tree_id for t in tb]
+    assert [len(t.leaves()) for t in ta] == [len(t.leaves()) for t in tb]
+    assert [[n.token_ids for n in t.nodes] for t in ta] == [[n.token_ids for n in t.nodes]
+                                                            for t in tb]
+    sa, sb = scalars(a), scalars(b)
+    for key in ("train/loss", "rollout/reward_mean", "alloc/leaves", "val/em"):
+        assert sa[key][-1] == pytest.approx(sb[key][-1], abs=1e-5), key
+
+    # equal sampling cost: every step spends roots * (1 + continuations) leaves
+    assert sa["alloc/leaves"] == [16.0, 16.0]
+    # the weight-sync check ran and passed
+    assert max(sa["perf/sync_logprob_diff"]) < 1e-3
+    # trees are real agent trajectories with observation tokens masked out
+    leaf_seqs = [s for t in ta for s in t.flatten()]
+    assert leaf_seqs and all(s.policy_mask[0] == 0 for s in leaf_seqs)
+    searched = [n for t in ta for n in t.nodes if n.action == "search" and n.observation]
+    assert searched, "no search turn with an observation in the trees"
+    for n in searched:
+        k = sum(n.policy_mask)
+        assert n.policy_mask == [1] * k + [0] * (len(n.token_ids) - k)
+
+
+def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path):
+    out = main(["validate", *demo_args(demo_dir, tmp_path, 1)])
+    metrics = out.trainer.callback_metrics
+    assert "val/demo_heldout/em" in metrics and "val/demo_heldout/questions" in metrics
+    assert float(metrics["val/demo_heldout/questions"]) == 16
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--data.allocator.kind=greedy", "kind"),
+    ("--data.allocator.continuations=0", "continuations (0) must be >= 1"),
+    ("--data.allocator.group_size=1", "group_size (1) must be >= 2"),
+    ("--data.allocator.kind=uniform --data.candidates_per_step=1",
+     "--data.candidates_per_step (1)"),
+])
+def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message, capsys):
+    with pytest.raises((SystemExit, ValueError)) as err:
+        main(["fit", *demo_args(demo_dir, tmp_path, 1), *override.split()])
+    text = str(err.value) + capsys.readouterr().err
+    assert message in text
+    assert not (tmp_path / "tensorboard").exists()  # nothing ran
+
+
+def test_missing_policy_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--model.policy_path"):
+        main(["fit", "--config", str(REPO / "configs" / "demo.yaml"),
+              f"--model.policy_path={tmp_path / 'nope'}", "--data.demo=null",
+              f"--data.train={tmp_path / 'q.jsonl'}", f"--data.corpus={tmp_path / 'c.jsonl'}",
+              f"--trainer.default_root_dir={tmp_path}"])
+
+
+def test_retriever_that_does_not_answer_fails_before_work(demo_dir, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from trace_lightning.retrieval import RetrieverError
+
+    with pytest.raises(RetrieverError, match=f"127.0.0.1:{port}"):
+        main(["fit", *demo_args(demo_dir, tmp_path, 1), "--data.demo=null",
+              f"--data.train={demo_dir / 'train_qa.jsonl'}",
+              f"--data.retriever_url=http://127.0.0.1:{port}"])
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_nan_reward_stops_the_step_without_a_checkpoint(demo_dir, tmp_path, monkeypatch):
+    from trace_lightning import environment
+
+    original = environment.SearchEnvironment.score
+
+    def nan_score(self, action, golds):  # a reward function gone wrong
+        reward, em, f1 = original(self, action, golds)
+        return float("nan"), em, f1
+
+    monkeypatch.setattr(environment.SearchEnvironment, "score", nan_score)
+    with pytest.raises(ValueError, match="is not finite"):
+        main(["fit", *demo_args(demo_dir, tmp_path, 1)])
+    assert not list(tmp_path.rglob("*.ckpt"))
