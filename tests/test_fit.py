@@ -13,6 +13,7 @@ from trace_lightning.tree import read_jsonl
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
+from trace_lightning.environment import SEARCH_R1_INSTRUCTION as SEARCH_R1  # noqa: E402
 
 # a small world and a short warm start: the pipeline is what is tested here
 SMALL_DEMO = {"n_people": 60, "n_cities": 12, "n_countries": 4, "n_companies": 12,
@@ -150,3 +151,41 @@ def test_nan_reward_stops_the_step_without_a_checkpoint(demo_dir, tmp_path, monk
     with pytest.raises(ValueError, match="is not finite"):
         main(["fit", *demo_args(demo_dir, tmp_path, 1)])
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.fixture(scope="session")
+def hotpot_policy(tmp_path_factory, shared_data) -> Path:
+    """A tiny random Qwen3 with a tokenizer trained on real HotpotQA passages."""
+    from trace_lightning.environment import SEARCH_R1_INSTRUCTION
+    from trace_lightning.models import AGENT_TAGS, build_tiny_model, train_tokenizer
+    from trace_lightning.retrieval import load_corpus
+
+    passages = load_corpus(shared_data / "hotpotqa" / "corpus.jsonl")[:3000]
+    texts = [f"{p.title} {p.text}" for p in passages] + [SEARCH_R1_INSTRUCTION] * 20
+    tok = train_tokenizer(texts, vocab_size=2048, special_tokens=AGENT_TAGS)
+    out = tmp_path_factory.mktemp("hotpot") / "policy"
+    build_tiny_model(tok, out, seed=0, hidden_size=64, layers=2, intermediate=128,
+                     max_position=2048)
+    return out
+
+
+def test_validate_on_real_hotpotqa_dev(hotpot_policy, shared_data, tmp_path):
+    hp = shared_data / "hotpotqa"
+    val = [{"name": "hotpotqa", "path": str(hp / "dev_distractor.jsonl"),
+            "corpus": str(hp / "corpus.jsonl"), "limit": 6}]
+    out = main(["validate", "--config", str(REPO / "configs" / "demo.yaml"),
+                f"--trainer.default_root_dir={tmp_path}",
+                f"--trainer.logger.init_args.save_dir={tmp_path}",
+                f"--model.policy_path={hotpot_policy}", "--data.demo=null",
+                f"--data.train={hp / 'dev_distractor.jsonl'}", f"--data.corpus={hp / 'corpus.jsonl'}",
+                f"--data.val={json.dumps(val)}", "--data.engine.max_model_len=2048",
+                "--data.env.max_seq_tokens=1536", "--data.env.use_chat_template=true",
+                f"--data.env.instruction={json.dumps(SEARCH_R1)}", "--data.env.max_turns=2",
+                "--data.sampling.max_tokens=32"])
+    metrics = out.trainer.callback_metrics
+    # a random policy scores about zero; what is tested is the pipeline on real questions
+    assert float(metrics["val/hotpotqa/questions"]) == 6
+    assert 0.0 <= float(metrics["val/hotpotqa/em"]) <= 1.0
+    trees = out.datamodule.last_val_trees["hotpotqa"]
+    assert [t.question for t in trees][:1] and all(t.answers for t in trees)
+    assert all(len(t.leaves()) == 1 for t in trees)
