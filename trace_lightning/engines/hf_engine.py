@@ -1,0 +1,171 @@
+"""transformers rollout engine: a batched, KV-cached sampling loop on any causal LM.
+
+The fallback where vLLM does not run, and a reference for it. It speaks the same protocol:
+token ids in, new token ids + the model's raw log-probs (``log_softmax`` of the logits at
+temperature 1, like vLLM's ``raw_logprobs``) out.
+
+Its own loop instead of ``model.generate`` gives each sample its own ``torch.Generator``
+(sample k of prompt i seeded with ``seed + i * n + k``, as in vLLM) and vLLM's stop
+semantics: a stop string is matched on the decoded new text (special tokens skipped), the
+token that completes it ends the completion and is kept; EOS ends it too and is kept in
+``token_ids``.
+Prompts are left-padded; there is no prefix cache, so ``cached_tokens`` is always 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+
+from trace_lightning.engines.base import Completion, SamplingConfig
+from trace_lightning.engines.sync import policy_logprobs
+
+
+class HFEngine:
+    """Rollout engine on a transformers model.
+
+    Args:
+        model: a ``save_pretrained`` directory, or a loaded causal LM (shared, not copied: an
+            engine built on the policy module itself needs no weight sync).
+        tokenizer: needed for stop strings; default: loaded from ``model`` when it is a path.
+        dtype: weight dtype when loading from a path.
+        device: where the model runs when loading from a path.
+        batch_size: sequences (prompts x n) per forward batch.
+        seed: seed of requests that do not set one.
+    """
+
+    def __init__(self, model: str | Path | nn.Module,
+                 tokenizer: str | PreTrainedTokenizerBase | None = None,
+                 dtype: str = "float32", device: str = "cpu", batch_size: int = 32,
+                 seed: int = 0) -> None:
+        if isinstance(model, nn.Module):
+            self.model = model
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model, dtype=getattr(torch, dtype)).to(device)
+            if tokenizer is None:
+                tokenizer = str(model)
+        if isinstance(tokenizer, (str, Path)):
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.default_generator = torch.Generator().manual_seed(seed)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        pad = self.model.generation_config.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 n: int = 1) -> list[list[Completion]]:
+        """``n`` completions per prompt; sample k of prompt i is seeded with
+        ``sampling.seed + i * n + k`` (its own ``torch.Generator``)."""
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {sampling.stop} need a tokenizer; pass "
+                             f"HFEngine(..., tokenizer=path_or_tokenizer)")
+        flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(n)]
+        completions: list[Completion] = []
+        for start in range(0, len(flat), self.batch_size):
+            chunk = flat[start:start + self.batch_size]
+            generators = []
+            for j, (i, _) in enumerate(chunk):
+                if sampling.seed is None:
+                    generators.append(self.default_generator)
+                else:
+                    k = (start + j) % n
+                    g = torch.Generator().manual_seed(sampling.seed + i * n + k)
+                    generators.append(g)
+            completions += self._generate_batch([p for _, p in chunk], generators, sampling)
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], generators: list[torch.Generator],
+                        sampling: SamplingConfig) -> list[Completion]:
+        model, device = self.model, self.device
+        was_training = model.training
+        model.eval()
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # (B, T)
+        mask = torch.zeros(batch, width, dtype=torch.long)  # (B, T)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                       past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        finish: list[str | None] = [None] * batch
+        stop_window = max((len(s) for s in sampling.stop), default=0) + 2
+        for _ in range(sampling.max_tokens):
+            raw = torch.log_softmax(logits.float(), dim=-1).cpu()  # (B, V)
+            nxt = self._sample(logits.float().cpu(), generators, sampling)  # (B,)
+            for i in range(batch):
+                if finish[i] is not None:
+                    continue
+                tok = int(nxt[i])
+                tokens[i].append(tok)
+                logprobs[i].append(float(raw[i, tok]))
+                if tok in self.eos_ids:
+                    finish[i] = "stop"
+                elif sampling.stop:
+                    tail = self.tokenizer.decode(tokens[i][-stop_window:],
+                                                 skip_special_tokens=True)
+                    if any(s in tail for s in sampling.stop):
+                        finish[i] = "stop"
+            if all(f is not None for f in finish):
+                break
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)  # (B, T+1)
+            positions = positions[:, -1:] + 1  # (B, 1)
+            logits = model(input_ids=nxt[:, None].to(device), attention_mask=mask,
+                           position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits[:, -1]  # (B, V)
+        model.train(was_training)
+        return [Completion(tokens[i], logprobs[i], finish[i] or "length") for i in range(batch)]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, generators: list[torch.Generator],
+                sampling: SamplingConfig) -> torch.Tensor:
+        """Next token per row of ``logits`` (B, V): greedy at temperature 0, else
+        temperature + top-p sampling with each row's generator."""
+        if sampling.temperature == 0:
+            return logits.argmax(-1)  # (B,)
+        probs = torch.softmax(logits / sampling.temperature, dim=-1)  # (B, V)
+        if sampling.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
+            drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p  # (B, V) mass before > p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)  # (B, V)
+        return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0]
+                            for i, g in enumerate(generators)])  # (B,)
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-prob of each token given the ones before it (first token: 0.0)."""
+        return policy_logprobs(self.model, sequences, batch_size=self.batch_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named weights into the model (a tied ``lm_head.weight`` may be absent)."""
+        state = dict(weights)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = self.model.config.tie_word_embeddings
+        missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise KeyError(f"weights do not fit the engine's model: missing {missing}, "
+                           f"unexpected {unexpected}")
+
+    def sleep(self) -> None:
+        """No-op: the transformers engine keeps its weights where they are."""
+
+    def wake_up(self) -> None:
+        """No-op."""

