@@ -189,3 +189,23 @@ def test_validate_on_real_hotpotqa_dev(hotpot_policy, shared_data, tmp_path):
     trees = out.datamodule.last_val_trees["hotpotqa"]
     assert [t.question for t in trees][:1] and all(t.answers for t in trees)
     assert all(len(t.leaves()) == 1 for t in trees)
+
+
+def test_two_process_ddp_fit_shares_one_global_budget(demo_dir, tmp_path):
+    """Two CPU processes (gloo): every rank plans the same global budget and rolls out its
+    own share of the prompts; the step's leaves add up to the one budget."""
+    import os
+    import subprocess
+    import sys
+
+    args = demo_args(demo_dir, tmp_path, 1, "--trainer.strategy=ddp", "--trainer.devices=2")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "trace_lightning.cli", "fit", *args], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [list(read_jsonl(tmp_path / "trees" / f"epoch_0_rank_{r}.jsonl")) for r in (0, 1)]
+    ids = [{t.tree_id for t in trees} for trees in ranks]
+    assert ids[0] and ids[1] and not ids[0] & ids[1]  # disjoint shares
+    assert sum(len(t.leaves()) for trees in ranks for t in trees) == 16  # 8 * (1 + 1)
+    assert scalars(tmp_path)["alloc/leaves"] == [16.0]
+    assert next(tmp_path.rglob("last.ckpt")).exists()
