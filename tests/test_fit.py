@@ -135,7 +135,7 @@ def test_retriever_that_does_not_answer_fails_before_work(demo_dir, tmp_path):
         main(["fit", *demo_args(demo_dir, tmp_path, 1), "--data.demo=null",
               f"--data.train={demo_dir / 'train_qa.jsonl'}",
               f"--data.retriever_url=http://127.0.0.1:{port}"])
-    assert not (tmp_path / "tensorboard").exists()
+    assert not (tmp_path / "trees").exists()  # no rollout ran
 
 
 def test_nan_reward_stops_the_step_without_a_checkpoint(demo_dir, tmp_path, monkeypatch):

@@ -11,7 +11,6 @@ tokens, so the gradient is the token-mean over the whole mini-batch.
 
 from __future__ import annotations
 
-import contextlib
 import lightning as L
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -112,35 +111,25 @@ class TraceModule(L.LightningModule):
         predictor_opt = torch.optim.AdamW(self.predictor.parameters(), lr=h.predictor_lr)
         return [policy_opt, predictor_opt]
 
-    @contextlib.contextmanager
-    def full_parameters(self):
-        """Whole (unsharded) policy parameters for the rollout phase (FSDP gathers them)."""
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        wrapped = self.trainer.strategy.model if self._trainer is not None else None
-        if isinstance(wrapped, FSDP):
-            with FSDP.summon_full_params(wrapped, writeback=False, recurse=True):
-                yield
-        else:
-            yield
-
     # ---- called by the DataModule during the rollout phase ------------------------------
     def sync_to_engine(self, engine, probe: list[list[int]], atol: float) -> float:
         """Load the policy's weights into ``engine`` and check its log-probs; returns the
-        largest log-prob difference on ``probe`` (raises WeightSyncError above ``atol``)."""
-        with self.full_parameters():
-            return sync_weights(self.policy, engine, probe, atol=atol)
+        largest log-prob difference on ``probe`` (raises WeightSyncError above ``atol``).
+
+        Under FSDP the policy must be wrapped whole (``Qwen3ForCausalLM`` in the strategy's
+        ``auto_wrap_policy``, as configs/hotpotqa_qwen3.yaml does), so that its forward
+        gathers every parameter it owns and its state dict gathers to full HF names."""
+        return sync_weights(self.policy, engine, probe, atol=atol)
 
     @torch.no_grad()
     def predict_trees(self, trees: list[RolloutTree]) -> None:
         """Set ``node.prediction`` on every root and non-leaf turn of ``trees``."""
-        with self.full_parameters():
-            feats = self.featuriser.nodes(self.policy, trees)
+        feats = self.featuriser.nodes(self.policy, trees)
         predict_nodes(self.predictor, trees, feats)
 
     def receive_step(self, step: RolloutStep) -> None:
         """Train the predictor on the step's tree values (all ranks' nodes) plus replay."""
-        with torch.no_grad(), self.full_parameters():
+        with torch.no_grad():
             feats = self.featuriser.nodes(self.policy, step.trees)
         batch = _all_gather_batch(training_batch(step.trees, feats), self.trainer)
         self.replay.add(batch)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from types import SimpleNamespace
 from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
@@ -69,11 +70,21 @@ def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
 
     Returns one float32 CPU tensor (len(positions[i]), D) per sequence. Runs the decoder body
     (``policy.get_decoder()``), not ``lm_head``: no vocabulary-sized logits are computed.
+    A policy wrapped whole by FSDP runs through its wrapper instead (the wrapper gathers
+    the embedding and final norm it owns) and reads ``hidden_states[-1]``.
     """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     was_training = policy.training
     policy.eval()
-    decoder = policy.get_decoder()
-    device = policy.device
+    if isinstance(policy, FSDP):
+        def decoder(**kw):
+            out = policy(**kw, output_hidden_states=True)
+            return SimpleNamespace(last_hidden_state=out.hidden_states[-1])
+        device = next(policy.parameters()).device
+    else:
+        decoder = policy.get_decoder()
+        device = policy.device
     out: list[Tensor] = [torch.empty(0)] * len(sequences)
     try:
         for group in _pack([len(s) for s in sequences], batch_tokens):
