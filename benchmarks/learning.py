@@ -1,0 +1,183 @@
+"""Learning benchmark: held-out accuracy per method at equal sampling cost.
+
+Trains the same warm-started demo policy with ``uniform`` (GRPO), ``random_tree``
+(TreePO-style), ``prompt`` (prompt-level allocation) and ``trace``, at the same leaves per
+step and the same number of steps, over several seeds, through the real CLI
+(``trace-lightning fit --config configs/demo.yaml [--config configs/demo_<method>.yaml]``),
+and reads every figure back from the runs' TensorBoard event files.
+
+Reported per method: held-out accuracy (val/demo_heldout/em) before RL and after each epoch
+(mean and min-max over seeds), effective ratio, informative-leaf share, generated tokens,
+wall time; and the sampling budget (leaves) each method needs to reach a target accuracy,
+by default the final accuracy of ``uniform`` (so ``trace``'s budget / ``uniform``'s is the
+saving at equal result). Writes a plot of accuracy against sampling budget per method.
+
+    python benchmarks/learning.py                   # 3 seeds x 4 methods (about an hour here)
+    python benchmarks/learning.py --quick           # 1 seed, fewer epochs (< 10 minutes here)
+
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ["uniform", "random_tree", "prompt", "trace"]
+KEYS = {"acc": "val/demo_heldout/em", "effective": "rollout/effective_ratio",
+        "informative": "rollout/informative_leaf_share", "leaves": "alloc/leaves",
+        "tokens": "alloc/generated_tokens", "epoch_s": "perf/epoch_s"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--val-limit", type=int, default=200, help="held-out questions per eval")
+    p.add_argument("--out-dir", default="runs/learning")
+    p.add_argument("--target", type=float, default=None,
+                   help="accuracy to reach (default: uniform's final mean accuracy)")
+    p.add_argument("--plot", default="docs/learning.png")
+    p.add_argument("--quick", action="store_true", help="1 seed, 3 epochs, 100 questions")
+    p.add_argument("--extra", nargs="*", default=[], help="more CLI overrides for every run")
+    return p.parse_args(argv)
+
+
+def scalars(run_dir: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (version,) = sorted((run_dir / "tensorboard").glob("version_*"))[-1:]
+    acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def run(method: str, seed: int, args, root: Path) -> dict:
+    from trace_lightning.cli import main
+
+    out = root / f"{method}_seed{seed}"
+    configs = ["--config", str(REPO / "configs" / "demo.yaml")]
+    if method != "trace":
+        configs += ["--config", str(REPO / "configs" / f"demo_{method}.yaml")]
+    val = [{"name": "demo_heldout", "path": "runs/demo/world/eval_qa.jsonl",
+            "corpus": "runs/demo/world/eval_corpus.jsonl", "limit": args.val_limit}]
+    common = [f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
+              f"--seed_everything={seed}", f"--data.seed={seed}",
+              f"--data.allocator.seed={seed}", f"--data.val={json.dumps(val)}", *args.extra]
+    tic = time.perf_counter()
+    main(["validate", *configs, *common])  # accuracy of the warm-started policy
+    before = scalars(out)[KEYS["acc"]][-1]
+    main(["fit", *configs, *common, f"--trainer.max_epochs={args.epochs}"])
+    s = scalars(out)
+    return {"method": method, "seed": seed, "acc_before": before,
+            "acc": s[KEYS["acc"]][-args.epochs:],
+            **{k: s.get(v, []) for k, v in KEYS.items() if k != "acc"},
+            "wall_s": time.perf_counter() - tic}
+
+
+def budget_to_reach(acc: list[float], leaves: list[float], target: float) -> float | None:
+    spent = np.cumsum(leaves)
+    for a, b in zip(acc, spent):
+        if a >= target:
+            return float(b)
+    return None
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.quick:
+        args.seeds, args.epochs, args.val_limit = "0", 3, 100
+    methods = args.methods.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    root = Path(args.out_dir)
+    runs = [run(m, s, args, root) for s in seeds for m in methods]
+
+    summary = {}
+    for m in methods:
+        rs = [r for r in runs if r["method"] == m]
+        acc = np.array([r["acc"] for r in rs])  # (seeds, epochs)
+        summary[m] = {
+            "acc_before": float(np.mean([r["acc_before"] for r in rs])),
+            "acc_mean": acc.mean(0).tolist(), "acc_min": acc.min(0).tolist(),
+            "acc_max": acc.max(0).tolist(), "final_acc": float(acc[:, -1].mean()),
+            "effective_ratio": float(np.mean([np.mean(r["effective"]) for r in rs])),
+            "informative_leaf_share": float(np.mean([np.mean(r["informative"]) for r in rs])),
+            "leaves_per_step": float(np.mean([np.mean(r["leaves"]) for r in rs])),
+            "generated_tokens_per_step": float(np.mean([np.mean(r["tokens"]) for r in rs])),
+            "wall_s": float(np.mean([r["wall_s"] for r in rs])),
+            "final_acc_per_seed": acc[:, -1].tolist(),
+            "effective_per_seed": [float(np.mean(r["effective"])) for r in rs],
+        }
+    target = args.target
+    if target is None and "uniform" in summary:
+        target = summary["uniform"]["final_acc"]
+    for m in methods:
+        rs = [r for r in runs if r["method"] == m]
+        budgets = [budget_to_reach(r["acc"], r["leaves"], target) for r in rs]
+        summary[m]["budget_to_target"] = budgets
+
+    print(f"\nlearning benchmark: {len(seeds)} seed(s) x {args.epochs} epochs, "
+          f"target accuracy {target:.3f}")
+    print(f"{'method':12s}{'acc before':>12s}{'final acc':>11s}{'min-max':>14s}"
+          f"{'effective':>11s}{'informative':>13s}{'leaves/step':>13s}{'tokens/step':>13s}"
+          f"{'wall s':>9s}  leaves to target")
+    for m, r in summary.items():
+        print(f"{m:12s}{r['acc_before']:12.3f}{r['final_acc']:11.3f}"
+              f"{min(r['final_acc_per_seed']):7.3f}-{max(r['final_acc_per_seed']):.3f}"
+              f"{r['effective_ratio']:11.3f}{r['informative_leaf_share']:13.3f}"
+              f"{r['leaves_per_step']:13.1f}{r['generated_tokens_per_step']:13.0f}"
+              f"{r['wall_s']:9.0f}  {r['budget_to_target']}")
+    result = {"benchmark": "learning", "seeds": seeds, "epochs": args.epochs,
+              "target": target, "methods": summary}
+    if "trace" in summary and "uniform" in summary:
+        t, u = summary["trace"], summary["uniform"]
+        per_seed = list(zip(t["final_acc_per_seed"], u["final_acc_per_seed"]))
+        result["trace_ahead_every_seed"] = all(a > b for a, b in per_seed)
+        result["trace_more_effective_every_seed"] = all(
+            a > b for a, b in zip(t["effective_per_seed"], u["effective_per_seed"]))
+        tb = [b for b in t["budget_to_target"] if b is not None]
+        ub = [b for b in u["budget_to_target"] if b is not None]
+        if tb and ub and len(tb) == len(t["budget_to_target"]):
+            result["trace_budget_over_uniform"] = float(np.mean(tb) / np.mean(ub))
+    if args.plot:
+        plot(summary, args.plot, target)
+    print(json.dumps(result))
+    return result
+
+
+def plot(summary: dict, path: str, target: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for m, r in summary.items():
+        leaves = r["leaves_per_step"] * np.arange(0, len(r["acc_mean"]) + 1)
+        mean = [r["acc_before"], *r["acc_mean"]]
+        lo = [r["acc_before"], *r["acc_min"]]
+        hi = [r["acc_before"], *r["acc_max"]]
+        ax.plot(leaves, mean, marker="o", label=m)
+        ax.fill_between(leaves, lo, hi, alpha=0.15)
+    if target is not None:
+        ax.axhline(target, color="grey", ls=":", lw=1, label="target")
+    ax.set_xlabel("sampling budget (leaves)")
+    ax.set_ylabel("held-out exact match")
+    ax.set_title("demo world: accuracy vs sampling budget")
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()
