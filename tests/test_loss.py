@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from trace_lightning.loss import policy_loss, predictor_loss, token_logprobs
+from trace_lightning.loss import (masked_token_logprobs, policy_loss, predictor_loss,
+                                 row_logprobs, token_logprobs)
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -170,3 +171,77 @@ def test_predictor_loss_by_hand():
     torch.testing.assert_close(pred.grad, torch.tensor([0.4 / 6, -0.1, 0.0]), rtol=RTOL, atol=ATOL)
     unweighted, _ = predictor_loss(pred, target)
     assert unweighted.item() == pytest.approx(0.05 / 3, rel=RTOL, abs=ATOL)
+
+
+@pytest.mark.parametrize("chunk_elements", [13, 5 * 13, 1 << 28])  # 1 row, 5 rows, one chunk
+def test_chunked_token_logprobs_equal_plain(chunk_elements):
+    """The chunked custom-autograd path equals the plain float32 path: values, entropy and
+    the gradient to the logits under an arbitrary upstream gradient (V = 13, N = 3 x 7 rows,
+    so 5-row chunks leave a partial last chunk)."""
+    g = torch.Generator().manual_seed(2)
+    b, t, v = 3, 7, 13
+    base = 3 * torch.randn(b, t, v, generator=g)  # (B, T, V)
+    ids = torch.randint(0, v, (b, t), generator=g)  # (B, T)
+    up = torch.randn(b, t, generator=g)  # (B, T): upstream gradient on logp
+    for temperature in (1.0, 0.7):
+        results = []
+        for chunk in (None, chunk_elements):
+            logits = base.clone().requires_grad_(True)
+            logp, ent = token_logprobs(logits, ids, with_entropy=True, temperature=temperature,
+                                       chunk_elements=chunk)
+            (logp * up).sum().backward()
+            assert not ent.requires_grad
+            results.append((logp.detach(), ent, logits.grad))
+        (lp0, ent0, g0), (lp1, ent1, g1) = results
+        torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ent1, ent0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+        assert g1[:, -1].abs().sum() == 0  # the last position predicts nothing
+
+
+def test_chunked_token_logprobs_bf16_grad_dtype():
+    """bf16 logits: gradient comes back in bf16 and matches the plain path to bf16 rounding."""
+    g = torch.Generator().manual_seed(3)
+    base = (2 * torch.randn(2, 6, 50, generator=g)).to(torch.bfloat16)  # (B, T, V)
+    ids = torch.randint(0, 50, (2, 6), generator=g)  # (B, T)
+    grads = []
+    for chunk in (None, 3 * 50):
+        logits = base.clone().requires_grad_(True)
+        logp, _ = token_logprobs(logits, ids, chunk_elements=chunk)
+        assert logp.dtype == torch.float32
+        logp.sum().backward()
+        grads.append(logits.grad)
+    assert grads[1].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[1].float(), grads[0].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_masked_token_logprobs_equal_full_on_mask():
+    """LM head on mask rows only: same log-probs and entropy on mask tokens (0 elsewhere), and
+    the same gradients to the hidden states and the head for a loss that reads mask tokens."""
+    g = torch.Generator().manual_seed(4)
+    b, t, h, v = 2, 6, 5, 17
+    hidden0 = torch.randn(b, t, h, generator=g)  # (B, T, H)
+    weight0 = torch.randn(v, h, generator=g)  # (V, H)
+    ids = torch.randint(0, v, (b, t), generator=g)  # (B, T)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]], dtype=torch.float32)
+    up = torch.randn(b, t, generator=g)  # (B, T)
+    out = []
+    for masked in (False, True):
+        hidden = hidden0.clone().requires_grad_(True)
+        head = torch.nn.Linear(h, v, bias=False)
+        head.weight.data.copy_(weight0)
+        if masked:
+            logp, ent = masked_token_logprobs(hidden, head, ids, mask, with_entropy=True,
+                                              chunk_elements=2 * v)
+        else:
+            logp, ent = token_logprobs(head(hidden), ids, with_entropy=True)
+        (logp * up * mask).sum().backward()
+        out.append((logp.detach() * mask, ent * mask, hidden.grad, head.weight.grad, logp))
+    for full, part in zip(out[0][:4], out[1][:4]):
+        torch.testing.assert_close(part, full, rtol=1e-5, atol=1e-6)
+    assert out[1][4].detach()[mask == 0].eq(0).all()  # nothing off the mask
+
+
+def test_row_logprobs_rejects_bad_chunk():
+    with pytest.raises(ValueError, match="chunk_elements"):
+        row_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), chunk_elements=0)

@@ -27,11 +27,24 @@ Micro-batching: pass ``normalizer`` = the whole mini-batch's count (mask tokens 
 micro-batch's loss is then its sum divided by that count, and summing the micro-batch losses
 (or accumulating their gradients) gives exactly the mini-batch loss.
 
+Token log-probs in chunks: ``token_logprobs`` by default goes through ``row_logprobs``, a
+custom autograd function that walks the ``(N, V)`` logit rows in chunks of about
+``chunk_elements`` logits. Each chunk is cast to float32, reduced (``logsumexp``, the target's
+logit, the entropy) and dropped; backward recomputes each chunk's softmax from the saved
+logits and the per-row ``logsumexp`` and writes ``d logp / d logits = (onehot - softmax) / tau``
+straight into a gradient of the logits' own dtype. No float32 ``(B, T, V)`` tensor is ever
+built: with Qwen3's 151,936-token vocabulary, 8 x 2048 tokens of float32 logits are 10 GB per
+copy, and the plain path (``chunk_elements=None``, kept as the reference) builds several.
+``masked_token_logprobs`` goes one step further: from the final hidden states it runs the LM
+head only on the positions whose next token is trained (policy tokens), so neither the logits
+nor their gradient exist anywhere else.
+
 Predictor loss: ``sum_i w_i (p_i - y_i)^2 / sum_i w_i`` with ``w`` = leaves below the node.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -40,10 +53,12 @@ import torch.nn.functional as F
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
 LOSS_AGGS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
 _LOG_RATIO_CLAMP = 20.0
+CHUNK_ELEMENTS = 1 << 28  # logits per float32 chunk (1 GiB); 1,766 rows of a 151,936 vocab
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False,
-                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   temperature: float = 1.0, chunk_elements: int | None = CHUNK_ELEMENTS,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and optionally entropy) of each token of ``input_ids`` under ``logits``.
 
     Args:
@@ -51,14 +66,34 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: 
         input_ids: ``(B, T)`` token ids.
         with_entropy: also return the entropy of each predictive distribution.
         temperature: divide the logits by this first (match the sampler's temperature).
+        chunk_elements: float32 work per chunk, in logits (see ``row_logprobs``); ``None``
+            takes the plain path, which casts all of ``logits`` to float32 at once (the
+            reference the chunked path is tested against).
 
     Returns:
         ``logp (B, T)``: ``logp[:, t] = log softmax(logits[:, t-1])[input_ids[:, t]]``, 0 at t=0.
         ``entropy (B, T)`` or ``None``: entropy of ``softmax(logits[:, t-1])``, 0 at t=0;
         detached (for logging; there is no entropy bonus, so no graph is kept for it).
-        Computed in float32 via ``logsumexp`` + ``gather``: no full log-softmax tensor is built
-        (the softmax for the entropy is built once, under ``no_grad``, only when asked for).
+        Computed in float32 via ``logsumexp`` + ``gather``: no full log-softmax tensor is built.
     """
+    if chunk_elements is None:
+        return _token_logprobs_plain(logits, input_ids, with_entropy, temperature)
+    b, t, v = logits.shape
+    # Row (i, s) of the flattened logits predicts input_ids[i, s + 1]; the last position of
+    # each row predicts nothing (target 0, result dropped, so its gradient is exactly 0).
+    targets = F.pad(input_ids[:, 1:], (0, 1))  # (B, T)
+    logp, ent = row_logprobs(logits.reshape(b * t, v), targets.reshape(b * t),
+                             with_entropy=with_entropy, temperature=temperature,
+                             chunk_elements=chunk_elements)  # (B*T,) each
+    logp = F.pad(logp.view(b, t)[:, :-1], (1, 0))  # (B, T)
+    if ent is not None:
+        ent = F.pad(ent.view(b, t)[:, :-1], (1, 0))  # (B, T)
+    return logp, ent
+
+
+def _token_logprobs_plain(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logprobs`` on one float32 copy of the whole ``(B, T-1, V)`` (the reference)."""
     shifted = logits[:, :-1].float()  # (B, T-1, V)
     if temperature != 1.0:
         shifted = shifted / temperature  # (B, T-1, V)
@@ -72,6 +107,117 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: 
             probs = torch.softmax(shifted, dim=-1)  # (B, T-1, V)
             ent = lse - (probs * shifted).sum(-1)  # (B, T-1): H = lse - E_p[logit]
         entropy = F.pad(ent, (1, 0))  # (B, T)
+    return logp, entropy
+
+
+def row_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
+                 temperature: float = 1.0, chunk_elements: int = CHUNK_ELEMENTS,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(logits[n] / temperature)[targets[n]]`` for each row, in float32 chunks.
+
+    Args:
+        logits: ``(N, V)`` one row of logits per predicted token (any float dtype).
+        targets: ``(N,)`` the token each row predicts.
+        with_entropy: also return each row's entropy (detached).
+        temperature: divide the logits by this first.
+        chunk_elements: about this many logits are cast to float32 at a time
+            (``max(1, chunk_elements // V)`` rows).
+
+    Returns:
+        ``logp (N,)`` float32 with gradient to ``logits`` (in ``logits``' dtype), and
+        ``entropy (N,)`` float32 or ``None``.
+    """
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements ({chunk_elements}) must be >= 1; pass None to "
+                         f"token_logprobs for the unchunked path")
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"row_logprobs expects logits (N, V) and targets (N,); got "
+                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
+    rows = max(1, chunk_elements // max(logits.shape[1], 1))
+    logp, ent = _ChunkedRowLogprobs.apply(logits, targets, float(temperature), rows,
+                                          bool(with_entropy))
+    return logp, (ent if with_entropy else None)
+
+
+class _ChunkedRowLogprobs(torch.autograd.Function):
+    """Row log-probs whose float32 working set is one chunk of rows (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                rows: int, with_entropy: bool):
+        logits = logits.contiguous()
+        n = logits.shape[0]
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        logp = torch.empty(n, **f32)  # (N,)
+        lse = torch.empty(n, **f32)  # (N,)
+        ent = torch.empty(n if with_entropy else 0, **f32)  # (N,) or (0,)
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            x = logits[s:e].float()  # (C, V); a view when logits are float32: never in-place
+            if temperature != 1.0:
+                x = x / temperature  # (C, V)
+            lse_c = torch.logsumexp(x, dim=-1)  # (C,)
+            lse[s:e] = lse_c
+            logp[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c  # (C,)
+            if with_entropy:
+                p = torch.exp(x - lse_c[:, None])  # (C, V)
+                ent[s:e] = lse_c - p.mul_(x).sum(-1)  # (C,): H = lse - E_p[logit]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, grad_ent: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        tau, rows, n = ctx.temperature, ctx.rows, logits.shape[0]
+        grad = torch.empty_like(logits)  # (N, V) in the logits' dtype
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            x = logits[s:e].float()  # (C, V)
+            if tau != 1.0:
+                x = x / tau  # (C, V)
+            g = grad_logp[s:e].float()  # (C,)
+            p = torch.exp(x - lse[s:e, None])  # (C, V): softmax, a new tensor
+            p.mul_(-g[:, None])  # (C, V): -g * p
+            p.scatter_add_(-1, targets[s:e, None], g[:, None])  # (C, V): g * (onehot - p)
+            if tau != 1.0:
+                p.div_(tau)  # d x / d logits = 1 / tau
+            grad[s:e] = p  # cast to the logits' dtype
+        return grad, None, None, None, None
+
+
+def masked_token_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                          input_ids: torch.Tensor, mask: torch.Tensor,
+                          with_entropy: bool = False, temperature: float = 1.0,
+                          chunk_elements: int = CHUNK_ELEMENTS,
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logprobs(head(hidden), input_ids)`` computed only where ``mask`` is 1.
+
+    The LM head runs on the rows whose *next* token is a mask token, so the logits (and their
+    gradient) of prompt, observation and padding positions are never built. Equal to
+    ``token_logprobs`` on mask tokens, 0 elsewhere; a loss that only reads mask tokens (as
+    ``policy_loss`` does) gets the same value and gradient.
+
+    Args:
+        hidden: ``(B, T, H)`` final hidden states on ``input_ids`` (after the final norm).
+        head: the LM head, ``(M, H) -> (M, V)`` (e.g. ``model.lm_head``).
+        input_ids: ``(B, T)`` token ids.
+        mask: ``(B, T)`` 1 on the tokens whose log-prob is wanted (position 0 is ignored).
+        with_entropy, temperature, chunk_elements: as in ``token_logprobs``/``row_logprobs``.
+
+    Returns:
+        ``logp (B, T)`` float32 and ``entropy (B, T)`` or ``None``, 0 off the mask.
+    """
+    sel = mask[:, 1:].bool()  # (B, T-1): position s predicts token s + 1
+    rows = hidden[:, :-1][sel]  # (M, H)
+    lp, ent = row_logprobs(head(rows), input_ids[:, 1:][sel], with_entropy=with_entropy,
+                           temperature=temperature, chunk_elements=chunk_elements)  # (M,)
+    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device)  # (B, T-1)
+    logp = F.pad(zeros.masked_scatter(sel, lp), (1, 0))  # (B, T)
+    entropy = None
+    if ent is not None:
+        entropy = F.pad(zeros.masked_scatter(sel, ent), (1, 0))  # (B, T)
     return logp, entropy
 
 
