@@ -13,9 +13,8 @@ One Qwen3-0.6B-shaped model with random weights (no download), bf16, SDPA attent
    synthetic tree-like leaves (300-2048 tokens, ~60% policy tokens) packed by
    ``pack_microbatches`` into micro-batches of at most ``batch * seq`` padded tokens, about
    ``batch * seq * accum`` real tokens per mini-batch (one optimizer step each, as in plain).
-   ``ours`` is the module as it stands (Lightning makes the whole LightningModule the FSDP
-   root; on CPU FSDP1 then fails at the first ``manual_backward``, see ``FixedTraceModule``).
-   ``ours_policy_root``: the policy is its own FSDP root (the minimal fix). ``ours_tuned``: the
+   ``ours`` is the module as it stands (the policy is its own FSDP root, see
+   ``TraceModule.shard_models``). ``ours_tuned``: the
    root is ``PolicyLogprobs`` (no attention mask for right-padded causal batches, so SDPA can
    take its flash kernel; LM head on policy rows only) and AdamW is fused.
    ``ours_fp32_master``: tuned with float32 weights and AdamW state, ``precision="bf16-mixed"``
@@ -131,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time plain and ours_tuned with torch.compile'd decoder layers")
     p.add_argument("--sections", default="all",
                    help="comma list of: model, padding, logprobs, plain, ours, "
-                        "ours_policy_root, ours_tuned, ours_fp32_master, ours_auto, "
+                        "ours_tuned, ours_fp32_master, ours_auto, "
                         "generation, hf_generate, plain_unchunked, plain_compiled, "
                         "ours_tuned_compiled (the last two need --compile)")
     p.add_argument("--budget-s", type=float, default=280.0,
@@ -486,15 +485,6 @@ class PolicyLogprobs(torch.nn.Module):
 class FixedTraceModule(TraceModule):
     """TraceModule with the changes this benchmark proposes for ``module.py``.
 
-    Always (``ours_policy_root``): the policy is its own FSDP root, wrapped in
-    ``configure_model`` (``torch.distributed.fsdp.wrap.wrap``: a no-op outside the FSDP
-    strategy's ``enable_wrap`` context; the strategy's ``auto_wrap_policy`` wraps the decoder
-    layers inside it), and gradients are clipped through that root. Without it Lightning wraps
-    the whole LightningModule, runs ``training_step`` inside the root's forward, and FSDP1 fails
-    at the first ``manual_backward`` ("Expects BACKWARD_PRE or BACKWARD_POST state but got
-    HandleTrainingState.FORWARD"): that backward runs before the root's forward has returned
-    and registered its pre-backward hooks.
-
     ``tuned``: the FSDP root is ``PolicyLogprobs`` instead (no attention mask, LM head on policy
     rows only via ``masked_token_logprobs``) and AdamW is fused on CUDA. ``compile_layers``:
     ``torch.compile`` each decoder layer before FSDP wraps it.
@@ -505,19 +495,15 @@ class FixedTraceModule(TraceModule):
         self._tuned, self._compile_layers = tuned, compile_layers
         self.scorer: torch.nn.Module | None = None
 
-    def configure_model(self) -> None:
+    def shard_models(self) -> None:
         from torch.distributed.fsdp.wrap import wrap
 
-        first = self.policy is None
-        super().configure_model()
-        if not first:
-            return
         if self._compile_layers:
             compile_layers(self.policy)
         if self._tuned:
             self.scorer = wrap(PolicyLogprobs(self.policy))
         else:
-            self.policy = wrap(self.policy)
+            super().shard_models()
 
     def clip_policy_gradients(self, max_norm: float) -> float:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -772,7 +758,7 @@ def table(results: dict) -> str:
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
-    for name in ("plain", "plain_unchunked", "plain_compiled", "ours", "ours_policy_root",
+    for name in ("plain", "plain_unchunked", "plain_compiled", "ours",
                  "ours_tuned", "ours_auto",
                  "ours_fp32_master", "ours_tuned_compiled", "generation", "hf_generate"):
         r = results.get(name)
@@ -867,7 +853,6 @@ def main(argv: list[str] | None = None) -> dict:
     run("logprobs", lambda: section_logprobs(s))
     run("plain", lambda: section_plain(s, path))
     run("ours", lambda: section_ours(s, path, fixed=False))
-    run("ours_policy_root", lambda: section_ours(s, path, fixed=True))
     run("ours_tuned", lambda: section_ours(s, path, fixed=True, tuned=True))
     run("generation", lambda: section_generation(s, path))
     run("ours_fp32_master", lambda: section_ours(s, path, fixed=True, tuned=True,
@@ -884,9 +869,9 @@ def main(argv: list[str] | None = None) -> dict:
         return r.get("tokens_per_s")
 
     ratios = {}
-    for num, den in (("ours", "plain"), ("ours_policy_root", "plain"), ("ours_tuned", "plain"),
+    for num, den in (("ours", "plain"), ("ours_tuned", "plain"),
                      ("ours_fp32_master", "plain"), ("ours_auto", "plain"),
-                     ("ours_tuned", "ours_policy_root"),
+                     ("ours_tuned", "ours"),
                      ("plain", "plain_unchunked"),
                      ("plain_compiled", "plain"), ("ours_tuned_compiled", "plain")):
         if tps(num) and tps(den):

@@ -96,6 +96,9 @@ class TraceModule(L.LightningModule):
             self.reference.requires_grad_(False)
         dim = self.featuriser.feature_dim(self.policy)
         self.predictor = SuccessPredictor(dim, hidden=self.hparams.predictor_hidden)
+        self.shard_models()
+        if self._trainer is not None:  # an unwrapped LightningModule is not moved by FSDP
+            self.predictor.to(self.trainer.strategy.root_device)
         # The predictor is updated identically on every rank from all ranks' nodes (see
         # receive_step), so data-parallel wrappers must leave it alone.
         from torch.nn.parallel import DistributedDataParallel
@@ -104,9 +107,25 @@ class TraceModule(L.LightningModule):
         names += [f"predictor.{n}" for n, _ in self.predictor.named_buffers()]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, names)
 
+    def shard_models(self) -> None:
+        """Under Lightning's FSDP strategy make the policy (and the reference) FSDP roots of
+        their own, the strategy's ``auto_wrap_policy`` wrapping their layers.
+
+        The LightningModule itself then stays unwrapped, so a manual backward inside
+        ``training_step`` follows a finished root forward (FSDP1 fails when training_step
+        runs inside the root's forward), and rollout-phase forwards and the weight sync
+        gather every parameter. ``wrap`` is a no-op under any other strategy.
+        """
+        from torch.distributed.fsdp.wrap import wrap
+
+        self.policy = wrap(self.policy)
+        if self.reference is not None:
+            self.reference = wrap(self.reference)
+
     def configure_optimizers(self):
         h = self.hparams
-        policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=h.lr,
+        on_cuda = next(self.policy.parameters()).is_cuda
+        policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=h.lr, fused=on_cuda,
                                        weight_decay=h.weight_decay, betas=tuple(h.betas))
         predictor_opt = torch.optim.AdamW(self.predictor.parameters(), lr=h.predictor_lr)
         return [policy_opt, predictor_opt]
@@ -116,9 +135,8 @@ class TraceModule(L.LightningModule):
         """Load the policy's weights into ``engine`` and check its log-probs; returns the
         largest log-prob difference on ``probe`` (raises WeightSyncError above ``atol``).
 
-        Under FSDP the policy must be wrapped whole (``Qwen3ForCausalLM`` in the strategy's
-        ``auto_wrap_policy``, as configs/hotpotqa_qwen3.yaml does), so that its forward
-        gathers every parameter it owns and its state dict gathers to full HF names."""
+        Under FSDP the policy is its own FSDP root (see ``configure_model``): its forward
+        gathers every parameter and its state dict gathers to full HF names."""
         return sync_weights(self.policy, engine, probe, atol=atol)
 
     @torch.no_grad()
@@ -191,9 +209,8 @@ class TraceModule(L.LightningModule):
             return 0.0
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        wrapped = self.trainer.strategy.model
-        if isinstance(wrapped, FSDP):
-            return float(wrapped.clip_grad_norm_(max_norm))
+        if isinstance(self.policy, FSDP):  # the norm over all shards
+            return float(self.policy.clip_grad_norm_(max_norm))
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     @staticmethod
