@@ -317,13 +317,17 @@ class TraceDataModule(L.LightningDataModule):
                                size=min(self.candidates_per_step, len(self.train_examples)),
                                replace=False)
         candidates = [self.train_examples[i] for i in idx]
-        loop = AgentLoop(self.engine, self._env(self.corpus), self.sampling)
+        bar = self._progress_bar(f"Rollout {epoch}", self.allocator.leaves_per_step // world)
+        loop = AgentLoop(self.engine, self._env(self.corpus), self.sampling,
+                         on_leaves=bar.update if bar is not None else None)
         predict = (oracle_predict(loop, self.oracle_samples, seed=self.seed + epoch)
                    if self.allocator.kind == "oracle" else module.predict_trees)
         step = collect_step(loop, self.allocator, candidates, predict=predict,
                             predictor_nodes_seen=module.predictor_nodes_seen, epoch=epoch,
                             seed=int(self._rng.integers(2**31 - 1)) + rank,
                             advantage=self.advantage, shard=(rank, world))
+        if bar is not None:
+            bar.close()
         self._check_rewards(step)
         self.last_step = step
         module.receive_step(step)
@@ -331,6 +335,14 @@ class TraceDataModule(L.LightningDataModule):
             write_jsonl(step.trees, Path(self.trees_dir) / f"epoch_{epoch}_rank_{rank}.jsonl")
         batches = self._batches(step)
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
+
+    def _progress_bar(self, desc: str, total: int):
+        """A bar for the rollout phase beside Lightning's (rank 0, when bars are on)."""
+        if self.trainer is None or self.trainer.progress_bar_callback is None or self._rank[0]:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="leaf", leave=False, dynamic_ncols=True)
 
     def _check_rewards(self, step: RolloutStep) -> None:
         for t in step.trees:

@@ -9,7 +9,7 @@ tool calls: the observations are already in the prefix).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -44,11 +44,15 @@ class AgentLoop:
         engine: the rollout engine (vLLM or transformers).
         env: the search environment (prompt, parsing, retrieval, reward).
         sampling: sampling settings of every turn (stop strings come from the environment).
+        on_leaves: called after every turn with the number of trajectories it finished
+            (progress bars).
     """
 
-    def __init__(self, engine: RolloutEngine, env: SearchEnvironment, sampling: SamplingConfig):
+    def __init__(self, engine: RolloutEngine, env: SearchEnvironment, sampling: SamplingConfig,
+                 on_leaves: Callable[[int], None] | None = None):
         self.engine, self.env = engine, env
         self.sampling = replace(sampling, stop=list(env.stop))
+        self.on_leaves = on_leaves  # told how many trajectories each turn finished
 
     def new_tree(self, example: QAExample) -> RolloutTree:
         ids, text = self.env.prompt(example.question)
@@ -113,6 +117,8 @@ class AgentLoop:
                 still.append(_Live(t.tree, node.id, t.rollout, t.ids + node.token_ids))
             t.tree.budget.add(spent)
             total.add(spent)
+        if self.on_leaves is not None:
+            self.on_leaves(len(live) - len(still))
         return still
 
 
