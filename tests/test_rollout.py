@@ -1,0 +1,459 @@
+"""The agent loop with real parts: vLLM (CPU) and transformers engines on a tiny Qwen3 built
+here, BM25 over the real HotpotQA passages, real dev questions.
+
+Two sets of weights share one vLLM engine (swapped with the checked weight sync):
+
+- ``random``: the tiny model as built, whose turns are garbage (almost never a valid action);
+- ``scripted``: the same architecture with its layers silenced and a bigram LM head written
+  by hand, so that it follows the agent format: ``<think> film</think>`` then
+  ``<search> American</search>`` (p = 3/4) or ``<answer> yes</answer>`` /
+  ``<answer> no</answer>`` (p = 1/8 each). It searches, answers right or wrong, and reaches
+  the turn and token limits, which a random model of this size never does.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trace_lightning.datasets import QAExample, load_qa
+from trace_lightning.engines import HFEngine, SamplingConfig, build_engine, make_probe, sync_weights
+from trace_lightning.environment import SearchEnvironment, parse_turn
+from trace_lightning.models import build_tiny_from_corpus
+from trace_lightning.retrieval import BM25Retriever
+from trace_lightning.rollout import AgentLoop, Start
+from trace_lightning.tree import Budget, RolloutTree
+
+BLOCK = 32  # the engine's KV block; the prefix cache reuses whole blocks only
+SAMPLING = SamplingConfig(temperature=1.0, max_tokens=24)
+GREEDY = SamplingConfig(temperature=0.0, max_tokens=24)
+FINISH_REASONS = {"answer", "invalid", "max_turns", "max_tokens"}
+
+
+class CountingRetriever:
+    """The real retriever, with every query it receives recorded."""
+
+    def __init__(self, inner: BM25Retriever):
+        self.inner, self.queries, self.calls = inner, [], 0
+
+    def search(self, queries: list[str], topk: int):
+        self.calls += 1
+        self.queries.extend(queries)
+        return self.inner.search(queries, topk)
+
+
+class RecordingEngine:
+    """The real engine, with every ``generate`` call's prompts and completions recorded."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, sampling, n=1):
+        out = self.engine.generate(prompts, sampling, n)
+        self.calls.append(([list(p) for p in prompts], out))
+        return out
+
+
+def script_weights(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
+    """Turn a tiny untied Qwen3 into a bigram model that writes the agent format.
+
+    With every ``o_proj`` and ``down_proj`` zeroed the layers add nothing, so the last
+    hidden state is RMSNorm(embedding of the current token). Each scripted token gets the
+    embedding e_k (a basis vector), which the final RMSNorm maps to sqrt(d) * e_k, and the
+    LM head's column k holds the next-token logits / sqrt(d). Unscripted logits are 0, so a
+    scripted logit of 24 leaves less than 1e-7 of mass off the script.
+    """
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    tag = tokenizer.convert_tokens_to_ids
+    hi = 24.0
+    script: dict[int, dict[int, float]] = {}
+
+    def chain(start: int, words: list[int], end: int, logit: float = hi) -> None:
+        seq = [start, *words, end]
+        for a, b in zip(seq, seq[1:]):
+            script.setdefault(a, {})[b] = logit if a == start else hi
+
+    (newline,) = enc("\n")  # ends the generation prompt and every observation
+    script[newline] = {tag("<think>"): hi}
+    chain(tag("<think>"), enc(" film"), tag("</think>"))
+    script[tag("</think>")] = {tag("<search>"): hi + math.log(3), tag("<answer>"): hi}
+    chain(tag("<search>"), enc(" American"), tag("</search>"))
+    chain(tag("<answer>"), enc(" yes"), tag("</answer>"))
+    chain(tag("<answer>"), enc(" no"), tag("</answer>"))
+    for end in ("</search>", "</answer>"):
+        script[tag(end)] = {tokenizer.eos_token_id: hi}
+    d = model.config.hidden_size
+    assert not model.config.tie_word_embeddings and len(script) <= d
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        head.zero_()
+        for k, (current, nexts) in enumerate(script.items()):
+            emb[current] = 0.0
+            emb[current, k] = 1.0
+            for nxt, logit in nexts.items():
+                head[nxt, k] = logit / math.sqrt(d)
+    return model
+
+
+# ---- fixtures: one model directory, one vLLM engine, one BM25 index per module -------------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, shared_data):
+    # untied, so that the scripted LM head can differ from the embedding
+    return build_tiny_from_corpus(shared_data / "hotpotqa" / "corpus.jsonl",
+                                  tmp_path_factory.mktemp("tiny-agent"), vocab_size=1024,
+                                  seed=0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def policies(model_dir, tokenizer):
+    random = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return {"random": random, "scripted": script_weights(copy.deepcopy(random), tokenizer)}
+
+
+@pytest.fixture(scope="module")
+def vllm(model_dir):
+    engine = build_engine("vllm", model_dir, enforce_eager=True, kv_cache_memory_gb=0.25,
+                          max_model_len=1024, block_size=BLOCK)
+    engine.weights = "random"  # which policy's weights it holds (the test's own bookkeeping)
+    return engine
+
+
+def _holding(engine, policies, name: str):
+    if engine.weights != name:
+        assert sync_weights(policies[name], engine, make_probe(1024, 64), atol=1e-3) < 1e-3
+        engine.weights = name
+    return RecordingEngine(engine)
+
+
+@pytest.fixture
+def vllm_random(vllm, policies):
+    return _holding(vllm, policies, "random")
+
+
+@pytest.fixture
+def vllm_scripted(vllm, policies):
+    return _holding(vllm, policies, "scripted")
+
+
+@pytest.fixture(scope="module")
+def bm25(shared_data, tmp_path_factory):
+    # the same cache folder as test_environment.py: built once per test session
+    return BM25Retriever(str(shared_data / "hotpotqa" / "corpus.jsonl"),
+                         cache_dir=str(tmp_path_factory.getbasetemp() / "bm25"))
+
+
+@pytest.fixture
+def retriever(bm25):
+    return CountingRetriever(bm25)
+
+
+def make_env(tokenizer, retriever, **kw) -> SearchEnvironment:
+    kw = {"topk": 3, "max_turns": 4, "max_obs_tokens": 64, "max_seq_tokens": 768, **kw}
+    return SearchEnvironment(tokenizer, retriever, **kw)
+
+
+@pytest.fixture(scope="module")
+def examples(shared_data):
+    # six real dev questions (two yes/no ones), and the trap of the prompt's own example
+    dev = load_qa(shared_data / "hotpotqa" / "dev_distractor.jsonl", limit=6)
+    assert [e.answers[0] for e in dev].count("yes") + [e.answers[0] for e in dev].count("no") == 2
+    return dev + [QAExample("beijing", "What is the capital of China?", ["Beijing"], "trap")]
+
+
+# ---- checks shared by the tests ------------------------------------------------------------
+
+def check_tree(tree: RolloutTree, tokenizer, env: SearchEnvironment) -> None:
+    """Invariants of a fully grown tree, the budget's accounting among them."""
+    root_len = len(tree.root.token_ids)
+    for node in tree.nodes[1:]:
+        n_pol = node.n_policy_tokens
+        assert len(node.token_ids) == len(node.logprobs) == len(node.policy_mask)
+        assert node.policy_mask == [1] * n_pol + [0] * (len(node.token_ids) - n_pol)
+        assert all(lp <= 0.0 for lp in node.logprobs[:n_pol])
+        assert all(lp == 0.0 for lp in node.logprobs[n_pol:])
+        assert node.text == tokenizer.decode(node.token_ids[:n_pol])
+        assert node.action == parse_turn(node.text).kind
+        bare = tree.path(node.id)[1]
+        assert node.rollout == bare.rollout >= 0
+        if node.observation:
+            assert node.action == "search"
+            assert tokenizer.decode(node.token_ids[n_pol:]) == node.observation
+            assert node.observation.startswith("\n\n<information>")
+        else:
+            assert n_pol == len(node.token_ids)
+        if node.finished:
+            assert not node.children and node.finish_reason in FINISH_REASONS
+            assert 0.0 <= node.reward <= 1.0 and node.em is not None and node.f1 is not None
+            if node.finish_reason != "answer":
+                assert node.reward == 0.0
+            assert node.depth <= env.max_turns
+        else:
+            assert node.children, "a grown tree has no open ends"
+            assert node.finish_reason == "" and node.reward is None
+            assert node.action == "search" and node.observation
+    assert tree.root.policy_mask == [0] * root_len
+    leaves = tree.leaves()
+    assert tree.budget.leaves == len(leaves)
+    assert tree.budget.generated_tokens == sum(n.n_policy_tokens for n in tree.nodes)
+    assert tree.budget.tool_calls == sum(bool(n.observation) for n in tree.nodes)
+    assert tree.budget.prefill_tokens == sum(len(tree.prefix_ids(n.parent))
+                                             for n in tree.nodes[1:]) > 0
+    for seq in tree.flatten():
+        assert seq.input_ids[:root_len] == tree.root.token_ids
+
+
+def grow(engine, env, examples, count: int, seed: int, sampling=SAMPLING):
+    loop = AgentLoop(engine, env, sampling)
+    trees = [loop.new_tree(e) for e in examples]
+    spent = loop.expand([Start(t, 0, count) for t in trees], seed=seed)
+    return loop, trees, spent
+
+
+def signature(tree: RolloutTree) -> list[tuple]:
+    """The shape of a tree: per node, where it hangs and how it ended."""
+    return [(n.parent, n.depth, n.rollout, n.action, n.finish_reason, len(n.children))
+            for n in tree.nodes]
+
+
+# ---- bare rollouts ---------------------------------------------------------------------------
+
+def test_bare_rollouts_of_a_random_model(vllm_random, retriever, tokenizer, examples):
+    env = make_env(tokenizer, retriever)
+    _, trees, spent = grow(vllm_random, env, examples, 3, seed=0)
+    (prompts, completions), *_ = vllm_random.calls
+    assert prompts == [t.root.token_ids for t in trees for _ in range(3)]  # one batched call
+    total = Budget()
+    for tree, example in zip(trees, examples):
+        assert tree.tree_id == example.id and tree.answers == example.answers
+        assert tree.root.text == env.prompt(example.question)[1]
+        assert [tree.nodes[i].rollout for i in tree.bare_rollouts()] == [0, 1, 2]
+        check_tree(tree, tokenizer, env)
+        total.add(tree.budget)
+    assert spent == total
+    assert spent.tool_calls == len(retriever.queries)
+    assert spent.leaves == 3 * len(examples)
+    # garbage ends as "invalid" with the reason kept, and scores 0
+    leaves = [n for t in trees for n in t.leaves()]
+    assert sum(n.finish_reason == "invalid" for n in leaves) >= len(leaves) - 1
+    assert all(n.argument for n in leaves if n.finish_reason == "invalid")  # the parse error
+    # the instruction's own "<answer> Beijing </answer>" is never scored
+    assert [n.reward for n in trees[-1].leaves()] == [0.0, 0.0, 0.0]
+
+
+def test_bare_rollouts_of_a_searching_model(vllm_scripted, retriever, tokenizer, examples):
+    env = make_env(tokenizer, retriever)
+    _, trees, spent = grow(vllm_scripted, env, examples, 3, seed=0)
+    for tree in trees:
+        assert [tree.nodes[i].rollout for i in tree.bare_rollouts()] == [0, 1, 2]
+        check_tree(tree, tokenizer, env)
+    nodes = [n for t in trees for n in t.nodes[1:]]
+    assert {n.finish_reason for n in nodes if n.finished} <= {"answer", "max_turns"}
+    assert all(n.argument == "American" for n in nodes if n.action == "search")
+    assert spent.tool_calls == len(retriever.queries) == sum(bool(n.observation) for n in nodes)
+    assert retriever.queries and set(retriever.queries) == {"American"}
+    # right and wrong answers: "yes" scores 1 on a yes question, 0 elsewhere
+    for tree in trees:
+        for leaf in tree.leaves():
+            if leaf.finish_reason == "answer":
+                assert leaf.reward == float(leaf.argument == tree.answers[0])
+    assert any(t.mixed for t in trees)
+    assert all(not t.mixed for t in trees if t.answers[0] not in ("yes", "no"))
+
+
+# ---- continuations ---------------------------------------------------------------------------
+
+def _continue(loop, engine, retriever, starts, seed):
+    """Run continuations; returns (budget, queries sent, new node ids per start)."""
+    before = {id(s.tree): len(s.tree.nodes) for s in starts}
+    n_queries, n_calls = len(retriever.queries), len(engine.calls)
+    spent = loop.expand(starts, seed=seed)
+    new = []
+    for s in starts:
+        new.append([n.id for n in s.tree.nodes[before[id(s.tree)]:]
+                    if s.node in [a.id for a in s.tree.path(n.id)]])
+    return spent, retriever.queries[n_queries:], engine.calls[n_calls:], new
+
+
+def check_continuations(starts, spent, queries, calls, new, tokenizer, env, seen=None):
+    """``seen``: how many leading tokens of each prefix the engine has already prefilled
+    (default: all of them, as for a prefix the agent loop sampled)."""
+    # the first call resumes each prefix's exact token ids, once per continuation
+    first_prompts, first_out = calls[0]
+    assert first_prompts == [s.tree.prefix_ids(s.node) for s in starts for _ in range(s.count)]
+    # and the engine served the part it had seen from its prefix cache (whole blocks)
+    cached = [c[0].cached_tokens for c in first_out]
+    seen = seen or [len(p) for p in first_prompts]
+    assert all(c >= BLOCK * ((n - 1) // BLOCK) > 0 for c, n in zip(cached, seen))
+    assert spent.cached_tokens >= sum(cached)
+    for s, ids in zip(starts, new):
+        tree, prefix = s.tree, s.tree.prefix_ids(s.node)
+        start = tree.nodes[s.node]
+        new_leaves = [tree.nodes[i] for i in ids if tree.nodes[i].finished]
+        assert len(new_leaves) == s.count  # each continuation ends in exactly one leaf
+        assert sum(1 for i in ids if tree.nodes[i].parent == s.node) == s.count
+        for leaf in new_leaves:
+            assert tree.prefix_ids(leaf.id)[:len(prefix)] == prefix
+            assert leaf.rollout == start.rollout
+        for seq in tree.flatten():
+            if seq.leaf_id in ids:
+                assert seq.input_ids[:len(prefix)] == prefix and seq.rollout == start.rollout
+                assert s.node in seq.ancestors
+        check_tree(tree, tokenizer, env)
+    # the retriever saw only the new turns' searches, never the prefixes' again
+    new_obs = sum(bool(s.tree.nodes[i].observation) for s, ids in zip(starts, new) for i in ids)
+    assert len(queries) == spent.tool_calls == new_obs
+    assert spent.leaves == sum(s.count for s in starts)
+
+
+def test_continuations_of_sampled_prefixes(vllm_scripted, retriever, tokenizer, examples):
+    env = make_env(tokenizer, retriever)
+    loop, trees, _ = grow(vllm_scripted, env, examples, 3, seed=1)
+    for t in trees:
+        t.compute_values()
+    starts = [Start(t, t.prefixes()[-1].id, 2) for t in trees if t.prefixes()]
+    assert len(starts) >= 4, "the scripted model searches with p = 3/4"
+    leaves_before = {id(s.tree): s.tree.nodes[s.node].n_leaves for s in starts}
+    spent, queries, calls, new = _continue(loop, vllm_scripted, retriever, starts, seed=2)
+    check_continuations(starts, spent, queries, calls, new, tokenizer, env)
+    for s in starts:
+        s.tree.compute_values()
+        assert s.tree.nodes[s.node].n_leaves == leaves_before[id(s.tree)] + 2
+
+
+def test_continuation_of_a_hand_built_prefix(vllm_random, retriever, tokenizer, examples):
+    """A random model never searches, so the prefix is written by hand: a search turn with
+    its behaviour log-probs from the engine and a real observation from ``env.observe``."""
+    env = make_env(tokenizer, retriever)
+    loop, (tree,), _ = grow(vllm_random, env, examples[:1], 3, seed=3)
+    text = "<think> Who is he?</think><search> Scott Derrickson nationality</search>"
+    policy = tokenizer.encode(text, add_special_tokens=False)
+    assert parse_turn(text).argument == "Scott Derrickson nationality"
+    ((obs, obs_text),) = env.observe(["Scott Derrickson nationality"])
+    root = tree.root.token_ids
+    logprobs = vllm_random.engine.prompt_logprobs([root + policy])[0][len(root):]
+    node = tree.add_child(0, rollout=len(tree.root.children), token_ids=policy + obs,
+                          logprobs=logprobs + [0.0] * len(obs),
+                          policy_mask=[1] * len(policy) + [0] * len(obs), text=text,
+                          observation=obs_text, action="search",
+                          argument="Scott Derrickson nationality")
+    tree.budget.tool_calls += 1  # what the agent loop would have counted for this turn
+    tree.budget.generated_tokens += len(policy)
+    tree.budget.prefill_tokens += len(root)
+    assert tree.prefixes() == [node] and node.rollout == 3
+    spent, queries, calls, new = _continue(loop, vllm_random, retriever,
+                                           [Start(tree, node.id, 2)], seed=4)
+    # the root prompt was prefilled by the bare rollouts; the hand-built turn was not
+    check_continuations([Start(tree, node.id, 2)], spent, queries, calls, new, tokenizer, env,
+                        seen=[len(root)] * 2)
+    assert "Scott Derrickson nationality" not in queries
+
+
+def test_continuing_a_leaf_is_refused(vllm_random, retriever, tokenizer, examples):
+    env = make_env(tokenizer, retriever)
+    loop, (tree,), _ = grow(vllm_random, env, examples[:1], 1, seed=5)
+    with pytest.raises(AssertionError, match="cannot continue leaf"):
+        loop.expand([Start(tree, tree.leaves()[0].id, 1)], seed=0)
+
+
+# ---- limits ----------------------------------------------------------------------------------
+
+def test_max_turns_ends_with_reward_zero(vllm_scripted, retriever, tokenizer, examples):
+    env = make_env(tokenizer, retriever, max_turns=2)
+    _, trees, spent = grow(vllm_scripted, env, examples, 3, seed=6)
+    leaves = [n for t in trees for n in t.leaves()]
+    cut = [n for n in leaves if n.finish_reason == "max_turns"]
+    assert cut, "with p(search) = 3/4 some of 21 rollouts search twice"
+    for n in cut:
+        assert n.depth == 2 and n.action == "search" and n.argument == "American"
+        assert n.observation == "" and (n.reward, n.em, n.f1) == (0.0, 0.0, 0.0)
+    for t in trees:
+        check_tree(t, tokenizer, env)
+        assert max(n.depth for n in t.nodes) <= 2
+        assert not any(n.observation for n in t.nodes if n.depth == 2)  # no call at the cut
+    assert spent.tool_calls == len(retriever.queries)
+
+
+def test_max_seq_tokens_ends_with_reward_zero(vllm_scripted, retriever, tokenizer, examples):
+    limit = 400
+    env = make_env(tokenizer, retriever, max_turns=10, max_obs_tokens=48, max_seq_tokens=limit)
+    _, trees, _ = grow(vllm_scripted, env, examples, 3, seed=7)
+    cut = [(t, n) for t in trees for n in t.leaves() if n.finish_reason == "max_tokens"]
+    assert cut, "a search turn adds about 60 tokens to prompts of about 260"
+    for tree, n in cut:
+        assert n.action == "search" and (n.reward, n.em, n.f1) == (0.0, 0.0, 0.0)
+        assert len(tree.prefix_ids(n.parent)) + n.n_policy_tokens < limit
+        assert len(tree.prefix_ids(n.id)) >= limit
+    for tree in trees:
+        check_tree(tree, tokenizer, env)
+        assert all(len(tree.prefix_ids(p.id)) < limit for p in tree.prefixes())
+        assert {n.finish_reason for n in tree.leaves()} <= {"answer", "max_tokens"}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "AgentLoop._turn cuts a turn at the context limit (room = max_seq_tokens - len(ids)) but "
+    "then classifies it by parsing the cut text, so it ends as 'invalid' (counted as "
+    "malformed) instead of 'max_tokens'; with room <= 0 (a prompt at or over the limit) the "
+    "slice token_ids[:room] even keeps tokens from the front, past the limit"))
+@pytest.mark.parametrize("margin", [3, 0, -2])
+def test_turn_cut_at_max_seq_tokens_is_max_tokens(vllm_scripted, retriever, tokenizer, examples,
+                                                  margin):
+    """A greedy scripted turn is 6 tokens (``<think> film</think><search> American</search>``);
+    the limit leaves ``margin`` of them (none when the prompt is already at or over it)."""
+    probe_env = make_env(tokenizer, retriever)
+    prompt_len = len(probe_env.prompt(examples[0].question)[0])
+    limit = prompt_len + margin
+    env = make_env(tokenizer, retriever, max_seq_tokens=limit)
+    _, (tree,), _ = grow(vllm_scripted, env, examples[:1], 1, seed=0, sampling=GREEDY)
+    (leaf,) = tree.leaves()
+    assert leaf.depth == 1 and leaf.reward == 0.0
+    assert len(tree.flatten()[0].input_ids) <= max(limit, prompt_len)
+    assert leaf.finish_reason == "max_tokens"
+
+
+# ---- the transformers engine -----------------------------------------------------------------
+
+def test_hf_engine_grows_trees_of_the_same_shape(vllm_random, policies, retriever, tokenizer,
+                                                 examples):
+    env = make_env(tokenizer, retriever)
+    hf = HFEngine(policies["random"], tokenizer=tokenizer, batch_size=32)
+    _, v_trees, v_spent = grow(vllm_random, env, examples, 3, seed=8)
+    _, h_trees, h_spent = grow(hf, env, examples, 3, seed=8)
+    assert v_spent.leaves == h_spent.leaves == 3 * len(examples)
+    for v, h in zip(v_trees, h_trees):
+        check_tree(h, tokenizer, env)
+        assert h.root.token_ids == v.root.token_ids
+        assert signature(h) == signature(v)  # all garbage: three invalid depth-1 leaves
+        assert [n.text for n in h.nodes[1:]] != [n.text for n in v.nodes[1:]]
+
+
+def test_hf_and_vllm_agree_on_a_greedy_scripted_policy(vllm_scripted, policies, retriever,
+                                                       tokenizer, examples):
+    """Greedy, the scripted policy always searches: both engines grow the same trees, token for
+    token, up to ``max_turns``; only the behaviour log-probs differ in rounding."""
+    env = make_env(tokenizer, retriever, max_turns=3)
+    hf = HFEngine(policies["scripted"], tokenizer=tokenizer, batch_size=32)
+    _, v_trees, v_spent = grow(vllm_scripted, env, examples[:3], 2, seed=9, sampling=GREEDY)
+    _, h_trees, h_spent = grow(hf, env, examples[:3], 2, seed=9, sampling=GREEDY)
+    assert h_spent.generated_tokens == v_spent.generated_tokens
+    assert h_spent.tool_calls == v_spent.tool_calls == 3 * 2 * 2
+    for v, h in zip(v_trees, h_trees):
+        check_tree(h, tokenizer, env)
+        assert signature(h) == signature(v)
+        assert [n.token_ids for n in h.nodes] == [n.token_ids for n in v.nodes]
+        assert {n.finish_reason for n in h.leaves()} == {"max_turns"}
+        for hn, vn in zip(h.nodes, v.nodes):
+            torch.testing.assert_close(torch.tensor(hn.logprobs), torch.tensor(vn.logprobs),
+                                       atol=1e-3, rtol=0)
