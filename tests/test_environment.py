@@ -266,9 +266,6 @@ def test_bad_reward_kind_is_a_clear_error(tokenizer, retriever):
         SearchEnvironment(tokenizer, retriever, reward="accuracy")
 
 
-@pytest.mark.xfail(strict=True, reason="SearchEnvironment does not check f1_threshold; an "
-                                       "out-of-range value raises only at the first score, "
-                                       "mid-rollout and without the flag name")
 def test_bad_f1_threshold_fails_at_construction(tokenizer, retriever):
     with pytest.raises(ValueError, match="f1_threshold"):
         SearchEnvironment(tokenizer, retriever, reward="f1_threshold", f1_threshold=1.5)

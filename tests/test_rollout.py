@@ -402,11 +402,6 @@ def test_max_seq_tokens_ends_with_reward_zero(vllm_scripted, retriever, tokenize
         assert {n.finish_reason for n in tree.leaves()} <= {"answer", "max_tokens"}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "AgentLoop._turn cuts a turn at the context limit (room = max_seq_tokens - len(ids)) but "
-    "then classifies it by parsing the cut text, so it ends as 'invalid' (counted as "
-    "malformed) instead of 'max_tokens'; with room <= 0 (a prompt at or over the limit) the "
-    "slice token_ids[:room] even keeps tokens from the front, past the limit"))
 @pytest.mark.parametrize("margin", [3, 0, -2])
 def test_turn_cut_at_max_seq_tokens_is_max_tokens(vllm_scripted, retriever, tokenizer, examples,
                                                   margin):

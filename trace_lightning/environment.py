@@ -124,6 +124,8 @@ class SearchEnvironment:
         if reward not in ("em", "f1", "f1_threshold"):
             raise ValueError(f"--data.env.reward ({reward!r}) must be one of 'em', 'f1', "
                              f"'f1_threshold'")
+        if not 0.0 <= f1_threshold <= 1.0:
+            raise ValueError(f"--data.env.f1_threshold ({f1_threshold}) must be in [0, 1]")
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.topk, self.max_turns = topk, max_turns

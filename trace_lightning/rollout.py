@@ -83,10 +83,11 @@ class AgentLoop:
     def _turn(self, live: list[_Live], seed: int, total: Budget) -> list[_Live]:
         outs: list[Completion] = [c[0] for c in self.engine.generate(
             [t.ids for t in live], replace(self.sampling, seed=seed))]
-        room = [self.env.max_seq_tokens - len(t.ids) for t in live]
-        gen = [list(c.token_ids[:r]) for c, r in zip(outs, room)]  # cut at the context limit
+        room = [max(self.env.max_seq_tokens - len(t.ids), 0) for t in live]
+        cut = [len(c.token_ids) > r for c, r in zip(outs, room)]  # hit the context limit
+        gen = [list(c.token_ids[:r]) for c, r in zip(outs, room)]
         actions = [parse_turn(self.env.tokenizer.decode(g)) for g in gen]
-        searching = [i for i, t in enumerate(live) if actions[i].kind == "search"
+        searching = [i for i, t in enumerate(live) if actions[i].kind == "search" and not cut[i]
                      and t.tree.nodes[t.node].depth + 1 < self.env.max_turns]
         queries = [actions[i].argument for i in searching]
         observations = dict(zip(searching, self.env.observe(queries)))
@@ -95,7 +96,9 @@ class AgentLoop:
             obs_ids, obs_text = observations.get(i, ([], ""))
             spent = Budget(generated_tokens=len(g), prefill_tokens=len(t.ids),
                            cached_tokens=c.cached_tokens, tool_calls=int(i in observations))
-            if a.kind != "search":
+            if cut[i]:
+                finish = "max_tokens"
+            elif a.kind != "search":
                 finish = a.kind  # "answer" or "invalid"
             elif i not in observations:
                 finish = "max_turns"

@@ -221,10 +221,14 @@ def write_jsonl(trees: Iterable[RolloutTree], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for t in trees:
-            f.write(json.dumps(t.to_dict()) + "\n")
-    tmp.replace(path)
+    try:
+        with open(tmp, "w") as f:
+            for t in trees:
+                f.write(json.dumps(t.to_dict()) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_jsonl(path: str | Path) -> Iterator[RolloutTree]:
@@ -238,6 +242,6 @@ def read_jsonl(path: str | Path) -> Iterator[RolloutTree]:
                 continue
             try:
                 yield RolloutTree.from_dict(json.loads(line))
-            except (json.JSONDecodeError, TypeError, KeyError) as e:
+            except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
                 raise ValueError(f"{path}:{lineno} is not a rollout tree ({e}); each line must be "
                                  f"one tree as written by write_jsonl") from e
