@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trace_lightning.cli import main
+from trace_lightning.cli import cli, main
 from trace_lightning.tree import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -94,7 +94,7 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
 
 
 def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path):
-    out = main(["validate", *demo_args(demo_dir, tmp_path, 1)])
+    out = cli(["validate", *demo_args(demo_dir, tmp_path, 1)])
     metrics = out.trainer.callback_metrics
     assert "val/demo_heldout/em" in metrics and "val/demo_heldout/questions" in metrics
     assert float(metrics["val/demo_heldout/questions"]) == 16
@@ -173,7 +173,7 @@ def test_validate_on_real_hotpotqa_dev(hotpot_policy, shared_data, tmp_path):
     hp = shared_data / "hotpotqa"
     val = [{"name": "hotpotqa", "path": str(hp / "dev_distractor.jsonl"),
             "corpus": str(hp / "corpus.jsonl"), "limit": 6}]
-    out = main(["validate", "--config", str(REPO / "configs" / "demo.yaml"),
+    out = cli(["validate", "--config", str(REPO / "configs" / "demo.yaml"),
                 f"--trainer.default_root_dir={tmp_path}",
                 f"--trainer.logger.init_args.save_dir={tmp_path}",
                 f"--model.policy_path={hotpot_policy}", "--data.demo=null",
@@ -200,7 +200,9 @@ def test_two_process_ddp_fit_shares_one_global_budget(demo_dir, tmp_path):
 
     args = demo_args(demo_dir, tmp_path, 1, "--trainer.strategy=ddp", "--trainer.devices=2")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "trace_lightning.cli", "fit", *args], env=env,
+    # the installed console script: its exit status must be 0 after a successful run
+    script = Path(sys.executable).parent / "trace-lightning"
+    proc = subprocess.run([str(script), "fit", *args], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [list(read_jsonl(tmp_path / "trees" / f"epoch_0_rank_{r}.jsonl")) for r in (0, 1)]

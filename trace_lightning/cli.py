@@ -3,7 +3,8 @@
     trace-lightning fit --config configs/demo.yaml
     trace-lightning validate --config configs/demo.yaml --ckpt_path last
 
-``main(args)`` takes the argument list so tests can run the CLI in-process.
+``main(args)`` takes the argument list so tests can run the CLI in-process; ``cli(args)``
+does the same and returns the ``LightningCLI`` object.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ class TraceCLI(LightningCLI):
         parser.link_arguments("model.advantage", "data.advantage")
 
 
-def main(args: list[str] | None = None) -> TraceCLI:
+def cli(args: list[str] | None = None) -> TraceCLI:
+    """Run the CLI on ``args`` (default: sys.argv) and return it: tests read its trainer,
+    model and datamodule."""
     return TraceCLI(
         TraceModule, TraceDataModule,
         args=args,
@@ -36,6 +39,11 @@ def main(args: list[str] | None = None) -> TraceCLI:
         save_config_kwargs={"overwrite": True},
         subclass_mode_model=False, subclass_mode_data=False,
     )
+
+
+def main(args: list[str] | None = None) -> None:
+    """The ``trace-lightning`` console script (returns None: exit status 0 on success)."""
+    cli(args)
 
 
 if __name__ == "__main__":
