@@ -93,7 +93,7 @@ def test_distractors_share_words_with_the_question(world):
         assert namesakes, f"{name!r} has no namesake"
     # A city's name appears in other documents too (people born there, companies based there).
     documents = [d["text"] for d in world.documents]
-    cities = [d["title"] for d in world.documents if " is a city in " in d["text"]]
+    cities = [d["title"] for d in world.documents if " is a city of " in d["text"]]
     shared = sum(sum(c in t for t in documents) > 1 for c in cities)
     assert shared >= 0.9 * len(cities)
 

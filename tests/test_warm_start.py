@@ -100,10 +100,12 @@ def test_warm_start_lowers_the_loss_and_saves(tmp_path, tokenizer, world, env):
             return sft_loss(model, batch["input_ids"], batch["policy_mask"]).item()
 
     before = loss_of(model_dir)
+    threads = torch.get_num_threads()
     stats = warm_start(model_dir, world, env, steps=12, batch_size=8, lr=3e-3, warmup=2,
-                       log_every=0)
+                       log_every=0, num_threads=1)
     after = loss_of(model_dir)  # the saved model loads in transformers
     assert stats["n_demos"] == len(world.questions) and len(stats["losses"]) == 12
+    assert torch.get_num_threads() == threads  # restored
     assert after < before - 0.5, (before, after)
 
 
@@ -123,10 +125,26 @@ def test_sft_loss_counts_policy_tokens_only(tokenizer):
     logp = torch.log_softmax(model(input_ids=ids[:1]).logits[0], -1)  # (T, V)
     expected = -torch.stack([logp[t - 1, ids[0, t]] for t in (4, 5, 6)]).mean()
     torch.testing.assert_close(a, expected, rtol=1e-5, atol=1e-5)
+    # Context term: row 0 is real up to token 7 (8, 9 are padding). Context targets are
+    # tokens 1..7 of row 0 outside the policy mask: 1, 2, 3, 7 (token 0 is never a target).
+    attn = torch.zeros_like(ids)
+    attn[0, :8] = 1
+    with_ctx = sft_loss(model, ids[:1], mask[:1], attn[:1], context_weight=0.5)
+    ctx = -torch.stack([logp[t - 1, ids[0, t]] for t in (1, 2, 3, 7)]).mean()
+    torch.testing.assert_close(with_ctx, expected + 0.5 * ctx, rtol=1e-5, atol=1e-5)
+
+
+def test_warm_start_over_several_worlds(tmp_path, tokenizer, env):
+    worlds = [generate_world(s, n_questions=6, **SIZES) for s in (11, 12)]
+    model_dir = build_tiny_model(tokenizer, tmp_path / "model", seed=0, **MODEL)
+    stats = warm_start(model_dir, worlds, env, steps=1, batch_size=4, log_every=0)
+    # Each world is searched in its own index: every demonstration found its documents.
+    assert stats["n_demos"] == 12 and stats["n_dropped"] == 0 and stats["demo_reward"] == 1.0
 
 
 def test_prepare_demo_writes_loadable_files_and_is_idempotent(tmp_path):
-    kwargs = dict(n_questions=20, n_eval_questions=10, warm_questions=20, vocab_size=400,
+    kwargs = dict(n_questions=20, n_eval_questions=10, warm_worlds=2, warm_questions=10,
+                  vocab_size=400,
                   model=MODEL, warm_start_steps=2, warm_start_batch=4, **SIZES)
     paths = prepare_demo(tmp_path / "demo", **kwargs)
     assert paths == DemoPaths.under(tmp_path / "demo")

@@ -9,8 +9,9 @@ them, so the demo runs the same code path as the real task)::
       model/                               tokenizer + tiny Qwen3, warm-started
       manifest.json                        the settings; written last
 
-The warm start uses a third world (``warm_seed``), so neither the RL questions nor the
-held-out ones were demonstrated: both start from the same skill, not memorised facts.
+The warm start uses other worlds (``warm_worlds`` of them, seeds from ``warm_seed``), so
+neither the RL questions nor the held-out ones were demonstrated: both start from the same
+skill, not memorised facts.
 
 It is idempotent: when ``manifest.json`` holds the same settings and every file exists, it
 returns at once; any other setting rebuilds everything.
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # The tiny policy's instruction: short (every token is paid for on a CPU), same tags.
 DEMO_INSTRUCTION = "Search one name at a time, then answer.\nQuestion: {question}\n"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # bump when the world, the formats or the warm start change
 # Tiny Qwen3 defaults (``tiny_qwen3_config`` fields); ``model=`` overrides any of them.
 DEFAULT_MODEL = {"hidden_size": 128, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 32,
                  "intermediate": 384, "max_position": 1024}
@@ -89,15 +90,18 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
                  namesakes: int = 3, vocab_size: int = 512, model: dict | None = None,
                  model_seed: int = 0, warm_start_steps: int = 300,
                  warm_start_batch: int = 16, warm_start_lr: float = 3e-3,
-                 warm_start_noise: float = 0.0, warm_questions: int = 1000, topk: int = 2,
-                 use_chat_template: bool = False, force: bool = False) -> DemoPaths:
+                 warm_start_noise: float = 0.0, warm_start_context_weight: float = 0.0,
+                 warm_worlds: int = 16,
+                 warm_questions: int = 300, topk: int = 2,
+                 use_chat_template: bool = False, warm_start_threads: int | None = None,
+                 force: bool = False) -> DemoPaths:
     """Build (or find) the demo under ``out_dir``.
 
     Args:
         out_dir: output folder (created).
         seed: seed of the training world (the RL questions).
         eval_seed: seed of the held-out world.
-        warm_seed: seed of the world whose gold trajectories warm-start the policy.
+        warm_seed: the warm-start worlds have seeds ``warm_seed * 1000 + k``.
         n_people: people per world.
         n_cities: cities per world.
         n_countries: countries per world.
@@ -112,11 +116,21 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
         warm_start_batch: trajectories per warm-start step.
         warm_start_lr: warm-start peak learning rate.
         warm_start_noise: share of noisy demonstrations.
-        warm_questions: questions of the warm-start world.
+        warm_start_context_weight: weight of the language-model loss on prompt and
+            observation tokens during the warm start (0: policy tokens only).
+        warm_worlds: worlds whose gold trajectories warm-start the policy.
+        warm_questions: questions per warm-start world.
         topk: passages per search in the demonstrations (use the same in the RL run).
         use_chat_template: wrap prompts in the chat template (use the same in the RL run).
+        warm_start_threads: torch CPU threads of the warm start (None: torch's default; 1
+            is fastest on a busy machine). Not part of the manifest.
         force: rebuild even if the manifest matches.
     """
+    warm_seeds = [warm_seed * 1000 + k for k in range(warm_worlds)]
+    if warm_start_steps > 0 and {seed, eval_seed} & set(warm_seeds):
+        raise ValueError(f"prepare_demo: warm_seed ({warm_seed}) gives warm-start worlds "
+                         f"{warm_seeds[0]}..{warm_seeds[-1]}, which hold seed ({seed}) or "
+                         f"eval_seed ({eval_seed}); pick another warm_seed")
     paths = DemoPaths.under(out_dir)
     model_cfg = {**DEFAULT_MODEL, **(model or {})}
     settings = {"version": MANIFEST_VERSION, "seed": seed, "eval_seed": eval_seed,
@@ -126,7 +140,9 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
                 "namesakes": namesakes, "vocab_size": vocab_size, "model": model_cfg,
                 "model_seed": model_seed, "warm_start_steps": warm_start_steps,
                 "warm_start_batch": warm_start_batch, "warm_start_lr": warm_start_lr,
-                "warm_start_noise": warm_start_noise, "warm_questions": warm_questions,
+                "warm_start_noise": warm_start_noise,
+                "warm_start_context_weight": warm_start_context_weight, "warm_worlds": warm_worlds,
+                "warm_questions": warm_questions,
                 "topk": topk, "use_chat_template": use_chat_template,
                 "instruction": DEMO_INSTRUCTION}
     if not force and _matches(paths, settings):
@@ -152,11 +168,13 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
     build_tiny_model(tokenizer, paths.model, seed=model_seed, **model_cfg)
     stats: dict = {}
     if warm_start_steps > 0:
-        warm = generate_world(warm_seed, n_questions=warm_questions, **sizes)
-        env = demo_env(tokenizer, warm, topk=topk, use_chat_template=use_chat_template)
+        warm = [generate_world(s, n_questions=warm_questions, **sizes) for s in warm_seeds]
+        env = demo_env(tokenizer, warm[0], topk=topk, use_chat_template=use_chat_template)
         stats = warm_start(paths.model, warm, env, steps=warm_start_steps,
                            batch_size=warm_start_batch, lr=warm_start_lr,
-                           noise=warm_start_noise, seed=model_seed)
+                           noise=warm_start_noise,
+                           context_weight=warm_start_context_weight, seed=model_seed,
+                           num_threads=warm_start_threads)
         stats["final_loss"] = sum(stats["losses"][-20:]) / len(stats["losses"][-20:])
         del stats["losses"]
     result = {"settings": settings, "warm_start": stats,

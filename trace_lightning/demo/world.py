@@ -1,13 +1,13 @@
 """A synthetic multi-hop world: the CPU demo's corpus and questions.
 
-People, cities, countries and companies with four relations: a person is *born in* a city
-and *works for* a company, a company is *based in* a city, a city *lies in* a country. Each
+People, cities, countries and companies with four relations: a person is born in a city
+and works for a company, a company is based in a city, a city lies in a country. Each
 entity has one short document; questions chain two or three relations, so the second search
 depends on what the first one returned::
 
     "In which country was Velmor Kastri born?"
       search "Velmor Kastri"  -> "Velmor Kastri was born in Draxen and works for ..."
-      search "Draxen"         -> "Draxen is a city in Quinaru."
+      search "Draxen"         -> "Draxen is a city of Quinaru."
       answer "Quinaru"
 
 What keeps it honest (DESIGN.md section 5):
@@ -16,10 +16,11 @@ What keeps it honest (DESIGN.md section 5):
   every seed shares one vocabulary (one tokenizer fits all) while its entities and facts
   differ: a policy evaluated on another seed's world can only succeed by searching, reading
   and copying.
-- Retrieval is not trivial: first and last names are each shared by a few people, so a
-  search for a person also returns namesakes' documents with the same templates; a city's
-  name also appears in the documents of the people born there and the companies based there.
-  The policy has to read which document answers its question.
+- Observations hold distractors: first and last names are each shared by a few people, so
+  a search for a person also returns namesakes' documents with the same templates (BM25
+  ranks the exact name first); a city's name also appears in the documents of the people
+  born there and the companies based there. The policy has to read which document and
+  which of its facts answer its question (a person's two facts come in random order).
 - A question's answer never appears in the first document it needs (checked by the tests).
 """
 
@@ -42,13 +43,15 @@ COMPANY_SUFFIXES = ("Corp", "Labs", "Works", "Group")
 BORN = "was born in {0}"
 WORKS = "works for {0}"
 PERSON = "{0} {1} and {2}."
-BASED = "{0} is a company based in {1}."
-LIES = "{0} is a city in {1}."
+BASED = "{0} is a company from {1}."
+LIES = "{0} is a city of {1}."
 COUNTRY = "{0} is a country."
 # The phrase of each relation that a document states verbatim before the related entity;
 # a gold thought restates it ("born in Draxen") before searching the entity.
-PHRASES = {"born_in": "born in", "works_for": "works for", "based_in": "based in",
-           "located_in": "city in"}
+# Each phrase ends in its own word (in, for, from, of), so the word before a copied name
+# says which relation it answers.
+PHRASES = {"born_in": "born in", "works_for": "works for", "based_in": "company from",
+           "located_in": "city of"}
 # Question templates: (template, hops, relation path from the subject).
 QUESTION_TYPES: dict[str, tuple[str, tuple[str, ...]]] = {
     "birth_city": ("In which city was {0} born?", ("born_in",)),
@@ -234,7 +237,7 @@ def gold_turns(question: dict, world: World) -> list[str]:
 
         <think> find A</think><search> A</search>
         <think> born in C</think><search> C</search>
-        <think> city in K</think><answer> K</answer>
+        <think> city of K</think><answer> K</answer>
 
     The space after each opening tag makes a name's tokens the same as in running text.
     """
