@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # The tiny policy's instruction: short (every token is paid for on a CPU), same tags.
 DEMO_INSTRUCTION = "Search one name at a time, then answer.\nQuestion: {question}\n"
-MANIFEST_VERSION = 2  # bump when the world, the formats or the warm start change
+MANIFEST_VERSION = 3  # bump when the world, the formats or the warm start change
 # Tiny Qwen3 defaults (``tiny_qwen3_config`` fields); ``model=`` overrides any of them.
 DEFAULT_MODEL = {"hidden_size": 128, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 32,
                  "intermediate": 384, "max_position": 1024}
