@@ -328,7 +328,6 @@ class TraceDataModule(L.LightningDataModule):
                             advantage=self.advantage, shard=(rank, world))
         if bar is not None:
             bar.close()
-        self._check_rewards(step)
         self.last_step = step
         module.receive_step(step)
         if self.trees_dir:
@@ -343,14 +342,6 @@ class TraceDataModule(L.LightningDataModule):
         from tqdm.auto import tqdm
 
         return tqdm(total=total, desc=desc, unit="leaf", leave=False, dynamic_ncols=True)
-
-    def _check_rewards(self, step: RolloutStep) -> None:
-        for t in step.trees:
-            for leaf in t.leaves():
-                if leaf.reward is None or not np.isfinite(leaf.reward):
-                    raise ValueError(f"reward {leaf.reward} on leaf {leaf.id} of tree {t.tree_id} "
-                                     f"(question {t.question!r}) is not finite; check the reward "
-                                     f"function (--data.env.reward) — the step was not trained on")
 
     def _batches(self, step: RolloutStep) -> list[dict]:
         """Mini-batches of token-packed micro-batches; equal counts on every rank."""

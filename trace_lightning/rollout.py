@@ -9,6 +9,7 @@ tool calls: the observations are already in the prefix).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -115,6 +116,11 @@ class AgentLoop:
                 finished=bool(finish), finish_reason=finish)
             if finish:
                 node.reward, node.em, node.f1 = self.env.score(a, t.tree.answers)
+                if not math.isfinite(node.reward):
+                    raise ValueError(
+                        f"reward {node.reward} of tree {t.tree.tree_id} (question "
+                        f"{t.tree.question!r}) is not finite; check the reward function "
+                        f"(--data.env.reward): the step is not trained on")
                 spent.leaves = 1
             else:
                 still.append(_Live(t.tree, node.id, t.rollout, t.ids + node.token_ids))
