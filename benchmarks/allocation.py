@@ -39,7 +39,7 @@ from trace_lightning.allocators import Allocator  # noqa: E402
 from trace_lightning.calibration import brier_skill  # noqa: E402
 from trace_lightning.collect import RolloutStep, collect_step, oracle_predict  # noqa: E402
 from trace_lightning.datasets import load_qa  # noqa: E402
-from trace_lightning.demo.prepare import DEMO_INSTRUCTION, DemoPaths, prepare_demo  # noqa: E402
+from trace_lightning.demo.prepare import DEMO_INSTRUCTION, DemoPaths  # noqa: E402
 from trace_lightning.engines import build_engine  # noqa: E402
 from trace_lightning.engines.base import SamplingConfig  # noqa: E402
 from trace_lightning.environment import SearchEnvironment  # noqa: E402
@@ -54,7 +54,7 @@ KINDS = ["uniform", "random_tree", "prompt", "trace", "oracle"]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo-dir", default="runs/demo/world",
-                   help="prepared demo (built with prepare_demo defaults if missing)")
+                   help="a prepared demo: the main job (configs/demo.yaml) writes runs/demo/world")
     p.add_argument("--roots", type=int, default=32, help="M: bare rollouts per step")
     p.add_argument("--continuations", type=int, default=1, help="N per bare rollout")
     p.add_argument("--group-size", type=int, default=4)
@@ -125,8 +125,11 @@ def main(argv=None) -> dict:
     if args.quick:
         args.steps, args.warmup_steps = 2, 2
     torch.manual_seed(args.seed)
-    prepare_demo(args.demo_dir)  # no-op when already prepared
     paths = DemoPaths.under(args.demo_dir)
+    if not paths.manifest.exists():
+        raise FileNotFoundError(f"--demo-dir {args.demo_dir} holds no prepared demo; run "
+                                f"`trace-lightning fit --config configs/demo.yaml` once (it "
+                                f"writes runs/demo/world) or pass another --demo-dir")
     tokenizer = AutoTokenizer.from_pretrained(paths.model)
     policy = AutoModelForCausalLM.from_pretrained(paths.model, dtype=torch.float32).eval()
     engine = build_engine("vllm", paths.model, dtype="float32", max_model_len=1024,
