@@ -79,6 +79,13 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
     for key in ("train/loss", "rollout/reward_mean", "alloc/leaves", "val/em"):
         assert sa[key][-1] == pytest.approx(sb[key][-1], abs=1e-5), key
 
+    # the real fit logs every unconditional scalar key documented in callbacks/METRICS.md
+    rows = [line.split("|") for line in (REPO / "callbacks" / "METRICS.md").read_text()
+            .splitlines() if line.startswith("| `")]
+    always = [r[1].strip().strip("`").replace("<dataset>", "demo_heldout") for r in rows
+              if r[2].strip() == "scalar" and "when" not in r[5] and "CUDA" not in r[5]]
+    assert len(always) > 30
+    assert not [k for k in always if k not in sa], [k for k in always if k not in sa]
     # equal sampling cost: every step spends roots * (1 + continuations) leaves
     assert sa["alloc/leaves"] == [16.0, 16.0]
     # the weight-sync check ran and passed
