@@ -3,7 +3,9 @@ tokens only, saved where transformers and vLLM load it; and ``prepare_demo``."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 
 import pytest
 import torch
@@ -11,7 +13,13 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from trace_lightning.datasets import load_qa
 from trace_lightning.demo.prepare import DEMO_INSTRUCTION, DemoPaths, demo_env, prepare_demo
-from trace_lightning.demo.warm_start import collate, gold_trees, sft_loss, warm_start
+from trace_lightning.demo.warm_start import (
+    batch_order,
+    collate,
+    gold_trees,
+    sft_loss,
+    warm_start,
+)
 from trace_lightning.demo.world import generate_world, gold_turns, vocabulary_text
 from trace_lightning.models import AGENT_TAGS, build_tiny_model, tiny_qwen3_config, train_tokenizer
 from trace_lightning.retrieval import load_corpus
@@ -107,6 +115,24 @@ def test_warm_start_lowers_the_loss_and_saves(tmp_path, tokenizer, world, env):
     assert stats["n_demos"] == len(world.questions) and len(stats["losses"]) == 12
     assert torch.get_num_threads() == threads  # restored
     assert after < before - 0.5, (before, after)
+
+
+def test_batch_order_uses_each_example_once_per_pass_with_little_padding():
+    rng = random.Random(0)
+    lengths = [rng.choice([200, 270]) + rng.randrange(30) for _ in range(100)]
+    batches = batch_order(lengths, batch_size=8, seed=0)
+    # A pass: groups of 64 and 36 examples -> 8 + 5 batches (the last of 4).
+    first = list(itertools.islice(batches, 13))
+    assert sorted(i for b in first for i in b) == list(range(100))
+    second = list(itertools.islice(batches, 13))
+    assert sorted(i for b in second for i in b) == list(range(100)) and second != first
+
+    def padding(bs):
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b)
+                   for b in bs) / sum(lengths)
+    shuffled = list(range(100))
+    rng.shuffle(shuffled)
+    assert padding(first) < 0.5 * padding([shuffled[k:k + 8] for k in range(0, 100, 8)])
 
 
 def test_sft_loss_counts_policy_tokens_only(tokenizer):
