@@ -160,6 +160,15 @@ def test_sft_loss_counts_policy_tokens_only(tokenizer):
     torch.testing.assert_close(with_ctx, expected + 0.5 * ctx, rtol=1e-5, atol=1e-5)
 
 
+def test_warm_start_stops_at_the_target_loss(tmp_path, tokenizer, world, env):
+    model_dir = build_tiny_model(tokenizer, tmp_path / "model", seed=0, **MODEL)
+    stats = warm_start(model_dir, world, env, steps=80, batch_size=2, warmup=2, log_every=0,
+                       stop_loss=1e9)
+    assert stats["steps"] == 50 == len(stats["losses"])  # the first full 50-step window
+    with pytest.raises(ValueError, match="stop_loss"):
+        warm_start(model_dir, world, env, steps=1, stop_loss=0.0)
+
+
 def test_warm_start_over_several_worlds(tmp_path, tokenizer, env):
     worlds = [generate_world(s, n_questions=6, **SIZES) for s in (11, 12)]
     model_dir = build_tiny_model(tokenizer, tmp_path / "model", seed=0, **MODEL)

@@ -91,9 +91,10 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
                  n_people: int = 300, n_cities: int = 40, n_countries: int = 8,
                  n_companies: int = 40, n_questions: int = 600, n_eval_questions: int = 200,
                  namesakes: int = 3, vocab_size: int = 512, model: dict | None = None,
-                 model_seed: int = 0, warm_start_steps: int = 600,
+                 model_seed: int = 0, warm_start_steps: int = 1000,
                  warm_start_batch: int = 16, warm_start_lr: float = 3e-3,
                  warm_start_noise: float = 0.0, warm_start_context_weight: float = 0.0,
+                 warm_start_stop_loss: float | None = 0.07,
                  warm_worlds: int = 16,
                  warm_questions: int = 300, topk: int = 2,
                  use_chat_template: bool = False, warm_start_threads: int | None = None,
@@ -115,12 +116,14 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
         vocab_size: BPE vocabulary size (agent tags and control tokens included).
         model: overrides of :data:`DEFAULT_MODEL` (``tiny_qwen3_config`` fields).
         model_seed: seed of the random initialisation.
-        warm_start_steps: supervised steps on gold trajectories (0: no warm start).
+        warm_start_steps: most supervised steps on gold trajectories (0: no warm start).
         warm_start_batch: trajectories per warm-start step.
         warm_start_lr: warm-start peak learning rate.
         warm_start_noise: share of noisy demonstrations.
         warm_start_context_weight: weight of the language-model loss on prompt and
             observation tokens during the warm start (0: policy tokens only).
+        warm_start_stop_loss: end the warm start once its loss (mean of 50 steps) is at
+            most this; None runs all ``warm_start_steps``.
         warm_worlds: worlds whose gold trajectories warm-start the policy.
         warm_questions: questions per warm-start world.
         topk: passages per search in the demonstrations (use the same in the RL run).
@@ -144,7 +147,8 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
                 "model_seed": model_seed, "warm_start_steps": warm_start_steps,
                 "warm_start_batch": warm_start_batch, "warm_start_lr": warm_start_lr,
                 "warm_start_noise": warm_start_noise,
-                "warm_start_context_weight": warm_start_context_weight, "warm_worlds": warm_worlds,
+                "warm_start_context_weight": warm_start_context_weight,
+                "warm_start_stop_loss": warm_start_stop_loss, "warm_worlds": warm_worlds,
                 "warm_questions": warm_questions,
                 "topk": topk, "use_chat_template": use_chat_template,
                 "instruction": DEMO_INSTRUCTION}
@@ -176,7 +180,8 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
         stats = warm_start(paths.model, warm, env, steps=warm_start_steps,
                            batch_size=warm_start_batch, lr=warm_start_lr,
                            noise=warm_start_noise,
-                           context_weight=warm_start_context_weight, seed=model_seed,
+                           context_weight=warm_start_context_weight,
+                           stop_loss=warm_start_stop_loss, seed=model_seed,
                            num_threads=warm_start_threads)
         stats["final_loss"] = sum(stats["losses"][-20:]) / len(stats["losses"][-20:])
         del stats["losses"]

@@ -203,7 +203,8 @@ def collate(seqs: Sequence[LeafSequence], pad_id: int) -> dict[str, torch.Tensor
 def warm_start(model_dir: str | Path, worlds: World | Sequence[World], env: SearchEnvironment,
                steps: int = 300, batch_size: int = 16, lr: float = 3e-3, warmup: int = 20,
                noise: float = 0.0, context_weight: float = 0.0, weight_decay: float = 0.0,
-               seed: int = 0, log_every: int = 50, num_threads: int | None = None) -> dict:
+               stop_loss: float | None = None, seed: int = 0, log_every: int = 50,
+               num_threads: int | None = None) -> dict:
     """Fine-tune the model in ``model_dir`` on gold trajectories and save it back.
 
     Args:
@@ -213,7 +214,7 @@ def warm_start(model_dir: str | Path, worlds: World | Sequence[World], env: Sear
         env: the environment the demonstrations go through: its tokenizer (the model's),
             prompt and observation settings; each world is searched by a BM25 index over
             its own documents (``world_env``).
-        steps: optimizer steps (0 saves nothing and returns at once).
+        steps: optimizer steps, at most (0 saves nothing and returns at once).
         batch_size: trajectories per step; each pass over the demonstrations uses each
             once, in batches of similar length (``batch_order``).
         lr: AdamW learning rate (linear warmup, then constant).
@@ -222,6 +223,10 @@ def warm_start(model_dir: str | Path, worlds: World | Sequence[World], env: Sear
         context_weight: weight of the language-model loss on prompt and observation tokens
             (0: policy tokens only); see ``sft_loss``.
         weight_decay: AdamW weight decay.
+        stop_loss: stop early once the mean loss of the last 50 steps is at most this
+            (None: run all ``steps``). Held-out success follows the loss more closely than
+            the step count: the loss falls in a sudden drop whose timing varies by a
+            hundred steps or more between seeds.
         seed: seed of the noise, the batch order and torch.
         log_every: log the mean loss every this many steps (0: never).
         num_threads: torch CPU threads while training (restored after); None keeps torch's
@@ -229,9 +234,11 @@ def warm_start(model_dir: str | Path, worlds: World | Sequence[World], env: Sear
             threads that spin waiting for each other.
 
     Returns:
-        ``{"losses": [...], "n_demos": int, "n_dropped": int, "demo_reward": float,
-        "seconds": float}``.
+        ``{"losses": [...], "steps": int, "n_demos": int, "n_dropped": int,
+        "demo_reward": float, "seconds": float}`` (``steps``: the steps actually run).
     """
+    if stop_loss is not None and stop_loss <= 0:
+        raise ValueError(f"warm start stop_loss ({stop_loss}) must be > 0 or None")
     if steps < 0 or batch_size < 1 or lr <= 0:
         raise ValueError(f"warm start needs steps >= 0 ({steps}), batch_size >= 1 "
                          f"({batch_size}) and lr > 0 ({lr})")
@@ -241,7 +248,7 @@ def warm_start(model_dir: str | Path, worlds: World | Sequence[World], env: Sear
              for t in gold_trees(world_env(env, w), w, noise=noise, seed=seed + k)]
     seqs = [s for t in trees for s in t.flatten()]
     n_questions = sum(len(w.questions) for w in worlds)
-    stats = {"losses": [], "n_demos": len(seqs), "n_dropped": n_questions - len(trees),
+    stats = {"losses": [], "steps": 0, "n_demos": len(seqs), "n_dropped": n_questions - len(trees),
              "demo_reward": sum(s.reward for s in seqs) / max(len(seqs), 1), "seconds": 0.0}
     if steps == 0:
         return stats
@@ -253,7 +260,7 @@ def warm_start(model_dir: str | Path, worlds: World | Sequence[World], env: Sear
         torch.set_num_threads(num_threads)
     try:
         _train(model_dir, seqs, stats, steps, batch_size, lr, warmup, weight_decay,
-               context_weight, seed, log_every, env.tokenizer.pad_token_id)
+               context_weight, stop_loss, seed, log_every, env.tokenizer.pad_token_id)
     finally:
         torch.set_num_threads(threads)
     stats["seconds"] = time.perf_counter() - start
@@ -282,7 +289,7 @@ def batch_order(lengths: Sequence[int], batch_size: int, seed: int,
 
 
 def _train(model_dir, seqs, stats, steps, batch_size, lr, warmup, weight_decay,
-           context_weight, seed, log_every, pad) -> None:
+           context_weight, stop_loss, seed, log_every, pad) -> None:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
@@ -310,9 +317,15 @@ def _train(model_dir, seqs, stats, steps, batch_size, lr, warmup, weight_decay,
         opt.step()
         sched.step()
         stats["losses"].append(loss.item())
+        stats["steps"] = step + 1
         if log_every and (step + 1) % log_every == 0:
             recent = stats["losses"][-log_every:]
             log.info("warm start step %d/%d loss %.4f", step + 1, steps,
                      sum(recent) / len(recent))
+        last = stats["losses"][-50:]
+        if stop_loss is not None and len(last) == 50 and sum(last) / 50 <= stop_loss:
+            log.info("warm start reached loss %.4f <= %s at step %d", sum(last) / 50,
+                     stop_loss, step + 1)
+            break
     model.eval()
     model.save_pretrained(model_dir)
