@@ -1,7 +1,8 @@
 """QAAccuracy: exact match and F1 per validation set (``val/<dataset>/*``, ``val/em``).
 
 Validation batches (``TraceModule.validation_step`` returns them) are dicts with
-``dataset`` (list[str], one name per question) and float tensors ``em``, ``f1``, ``reward``,
+``dataset`` (list[str], one name per rollout: a question, or one of its
+``val_samples`` samples) and float tensors ``em``, ``f1``, ``reward``,
 ``searches`` and ``malformed``. Per dataset a torchmetrics ``Metric`` keeps the sums and the
 question count (``dist_reduce_fx="sum"``), so under several processes the logged value is
 the mean over the union of every rank's questions, however unevenly they are split.
@@ -38,7 +39,7 @@ class DatasetMeans(Metric):
                        dist_reduce_fx="sum")
 
     def update(self, values: torch.Tensor) -> None:
-        """``values``: (N, len(FIELDS)), one row per question (N may be 0)."""
+        """``values``: (N, len(FIELDS)), one row per rollout (N may be 0)."""
         self.sums += values.to(self.sums).sum(dim=0)  # (F,)
         self.count += values.shape[0]
 

@@ -107,6 +107,20 @@ def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path):
     assert float(metrics["val/demo_heldout/questions"]) == 16
 
 
+def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
+    # pass@1 from 3 samples per question at T=1: 48 scored rollouts; EM is a multiple of 1/48
+    out = cli(["validate", *demo_args(demo_dir, tmp_path, 1), "--data.val_temperature=1.0",
+               "--data.val_samples=3"])
+    metrics = out.trainer.callback_metrics
+    assert float(metrics["val/demo_heldout/questions"]) == 48
+    em = float(metrics["val/demo_heldout/em"]) * 48
+    assert em == pytest.approx(round(em), abs=1e-4)
+    trees = out.datamodule.last_val_trees["demo_heldout"]
+    assert len(trees) == 16 and all(len(t.leaves()) == 3 for t in trees)
+    with pytest.raises(ValueError, match="--data.val_samples"):
+        main(["validate", *demo_args(demo_dir, tmp_path, 1), "--data.val_samples=2"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("--data.allocator.kind=greedy", "kind"),
     ("--data.allocator.continuations=0", "continuations (0) must be >= 1"),

@@ -155,6 +155,8 @@ class TraceDataModule(L.LightningDataModule):
         env: the search environment.
         sampling: sampling of training rollouts (stop strings come from the environment).
         val_temperature: sampling temperature of validation (0 = greedy).
+        val_samples: rollouts per validation question; the metrics average over them
+            (pass@1 estimated from ``val_samples`` samples; use 1 when greedy).
         allocator: how each step's budget is spread (``uniform``, ``random_tree``,
             ``prompt``, ``trace``, ``oracle``).
         candidates_per_step: prompts the allocator chooses from each step.
@@ -172,7 +174,8 @@ class TraceDataModule(L.LightningDataModule):
                  retriever_url: str | None = None, val: list[EvalSet] | None = None,
                  policy_path: str = "", engine: EngineConfig | None = None,
                  env: EnvConfig | None = None, sampling: SamplingConfig | None = None,
-                 val_temperature: float = 0.0, allocator: Allocator | None = None,
+                 val_temperature: float = 0.0, val_samples: int = 1,
+                 allocator: Allocator | None = None,
                  candidates_per_step: int = 64, advantage: str = "tree_grpo",
                  max_tokens_per_microbatch: int = 8192, minibatches_per_step: int = 1,
                  train_limit: int | None = None, trees_dir: str | None = None,
@@ -186,7 +189,7 @@ class TraceDataModule(L.LightningDataModule):
         self.engine_cfg = engine or EngineConfig()
         self.env_cfg = env or EnvConfig()
         self.sampling = sampling or SamplingConfig()
-        self.val_temperature = val_temperature
+        self.val_temperature, self.val_samples = val_temperature, val_samples
         self.allocator = allocator or Allocator("trace", roots=16, continuations=1,
                                                 max_rollouts_per_prompt=8, group_size=4)
         self.candidates_per_step, self.advantage = candidates_per_step, advantage
@@ -224,6 +227,9 @@ class TraceDataModule(L.LightningDataModule):
                 f"--data.engine.max_model_len ({self.engine_cfg.max_model_len}) must be >= "
                 f"--data.env.max_seq_tokens + --data.sampling.max_tokens "
                 f"({self.env_cfg.max_seq_tokens} + {self.sampling.max_tokens})")
+        if self.val_samples < 1 or (self.val_temperature == 0.0 and self.val_samples > 1):
+            raise ValueError(f"--data.val_samples ({self.val_samples}) must be >= 1, and 1 when "
+                             f"--data.val_temperature is 0 (greedy samples are all the same)")
         a = self.allocator
         needed = (a.root_budget // a.group_size if a.kind in ("uniform", "random_tree")
                   else -(-a.root_budget // a.max_rollouts_per_prompt) + a.n_explore)
@@ -381,10 +387,10 @@ class TraceDataModule(L.LightningDataModule):
                                   max_tokens=self.sampling.max_tokens, seed=self.seed)
         for v in self.val_sets:
             mine = self.val_examples[v.name][rank::world]
-            trees = sample_trees(self.engine, self._env(v.corpus), mine, n=1, sampling=sampling,
-                                 seed=self.seed)
+            trees = sample_trees(self.engine, self._env(v.corpus), mine, n=self.val_samples,
+                                 sampling=sampling, seed=self.seed)
             self.last_val_trees[v.name] = trees
-            rows = [_val_row(t) for t in trees]
+            rows = [_val_row(t, leaf) for t in trees for leaf in t.leaves()]
             loaders.append(DataLoader(rows, batch_size=64, shuffle=False,
                                       collate_fn=_collate_rows))
         self.timings["validation_rollout"] = time.perf_counter() - tic
@@ -409,8 +415,7 @@ def _empty_microbatch(pad_id: int) -> dict:
             "policy_mask": z.clone(), "old_logprobs": z.clone(), "advantages": z.clone()}
 
 
-def _val_row(tree: RolloutTree) -> dict:
-    leaf = tree.leaves()[0]
+def _val_row(tree: RolloutTree, leaf) -> dict:
     turns = tree.path(leaf.id)[1:]
     return {"dataset": tree.dataset, "em": float(leaf.em or 0.0), "f1": float(leaf.f1 or 0.0),
             "reward": float(leaf.reward or 0.0),
