@@ -95,7 +95,7 @@ class OnlinePredictor:
         self.replay.add(batch)
         self.nodes_seen += len(batch.value)
         fit_predictor(self.model, self.opt, self.replay, epochs=20, batch_size=128,
-                      generator=self.gen)
+                      generator=self.gen, holdout=0.2)
 
 
 def step_figures(step: RolloutStep) -> dict:

@@ -181,13 +181,42 @@ def test_fit_decreases_weighted_loss_on_separable_set():
     torch.manual_seed(0)
     pred = SuccessPredictor(6, hidden=32)
     opt = torch.optim.AdamW(pred.parameters(), lr=3e-3)
-    stats = fit_predictor(pred, opt, buf, epochs=30, batch_size=32, generator=gen)
+    stats = fit_predictor(pred, opt, buf, epochs=30, batch_size=32, generator=gen, holdout=0.0)
     # the constant 0.5 start costs exactly 0.25
     assert stats["predictor/loss_before"] == pytest.approx(0.25, abs=1e-6)
     assert stats["predictor/loss"] < 0.05
     assert stats["predictor/updates"] == 30 * 8
+    assert stats["predictor/epochs_kept"] == 30 and "predictor/holdout_loss" not in stats
     p = pred.predict(x, torch.zeros(256))
     assert weighted_squared_error(p, y, w).item() == pytest.approx(stats["predictor/loss"])
+
+
+def test_early_stopping_keeps_the_predictor_from_memorising_noise():
+    # outcomes independent of the features: the best a predictor can do on new nodes is the
+    # mean (Brier 0.25 at p = 0.5); a long fit on all nodes memorises them instead
+    gen = torch.Generator().manual_seed(1)
+    x, x_new = torch.randn(200, 16, generator=gen), torch.randn(2000, 16, generator=gen)
+    y = (torch.rand(200, generator=gen) < 0.5).float()
+    y_new = (torch.rand(2000, generator=gen) < 0.5).float()
+    buf = ReplayBuffer(max_steps=1)
+    buf.add(PredictorBatch(x, torch.zeros(200, dtype=torch.long), y, torch.ones(200)))
+
+    def fit(holdout: float) -> tuple[dict, float]:
+        torch.manual_seed(0)
+        pred = SuccessPredictor(16, hidden=128)
+        opt = torch.optim.AdamW(pred.parameters(), lr=1e-2)
+        stats = fit_predictor(pred, opt, buf, epochs=40, batch_size=32,
+                              generator=torch.Generator().manual_seed(0), holdout=holdout)
+        p = pred.predict(x_new, torch.zeros(2000, dtype=torch.long))
+        return stats, weighted_squared_error(p, y_new, torch.ones(2000)).item()
+
+    memorised, new_loss_memorised = fit(0.0)
+    stopped, new_loss_stopped = fit(0.2)
+    assert memorised["predictor/loss"] < 0.15  # it fits the noise it saw...
+    assert new_loss_memorised > 0.28  # ...and is worse than the mean on new nodes
+    assert stopped["predictor/epochs_kept"] < 40
+    assert new_loss_stopped < 0.3 < new_loss_memorised - 0.1
+    assert stopped["predictor/holdout_loss"] <= 0.25 + 0.05
 
 
 def test_node_targets_and_predictions():

@@ -43,7 +43,10 @@ class TraceModule(L.LightningModule):
         featuriser: how prefixes become predictor features.
         predictor_hidden: width of the predictor's hidden layer.
         predictor_lr: predictor learning rate (AdamW).
-        predictor_epochs: passes over the replay per step.
+        predictor_epochs: most passes over the replay per step (early-stopped on a held-out
+            share, ``predictor_holdout``).
+        predictor_holdout: share of the replay held out to stop the predictor's fit early
+            (0: no early stopping).
         predictor_batch_size: predictor mini-batch size.
         replay_steps: steps of tree nodes kept for the predictor.
         gradient_checkpointing: trade compute for memory in the policy.
@@ -55,7 +58,8 @@ class TraceModule(L.LightningModule):
                  clip_low: float = 0.2, clip_high: float = 0.28, kl_coef: float = 0.0,
                  featuriser: Featuriser | None = None, predictor_hidden: int = 256,
                  predictor_lr: float = 1e-3, predictor_epochs: int = 4,
-                 predictor_batch_size: int = 256, replay_steps: int = 4,
+                 predictor_batch_size: int = 256, predictor_holdout: float = 0.2,
+                 replay_steps: int = 4,
                  gradient_checkpointing: bool = False):
         super().__init__()
         if advantage not in ("tree_grpo", "treepo", "segment", "grpo"):
@@ -156,7 +160,7 @@ class TraceModule(L.LightningModule):
         h = self.hparams
         self._predictor_stats = fit_predictor(self.predictor, self.optimizers()[1], self.replay,
                                               h.predictor_epochs, h.predictor_batch_size,
-                                              generator=gen)
+                                              generator=gen, holdout=h.predictor_holdout)
 
     # ---- training -----------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

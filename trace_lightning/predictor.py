@@ -31,6 +31,7 @@ slightly stale under the ``hidden`` featuriser; keep the replay short.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from types import SimpleNamespace
@@ -408,37 +409,57 @@ def weighted_squared_error(p: Tensor, y: Tensor, w: Tensor) -> Tensor:
 
 def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
                   buffer: ReplayBuffer, epochs: int, batch_size: int,
-                  generator: torch.Generator | None = None) -> dict[str, float]:
-    """A few passes of weighted squared error over the whole replay.
+                  generator: torch.Generator | None = None,
+                  holdout: float = 0.2) -> dict[str, float]:
+    """Weighted squared error over the replay, stopped early on a held-out share of it.
+
+    A random ``holdout`` share of the replay's entries is set aside; after each pass over
+    the rest the held-out loss is measured and the predictor keeps the weights of the best
+    pass, or its weights from before the fit when no pass beat them. (Without this the MLP
+    memorises a few hundred nodes: measured on the demo, 20 passes left a Brier score worse
+    than the constant mean on the next step's nodes, and TRACE then filtered out most
+    prompts as certain.) ``holdout=0`` trains on everything for ``epochs`` passes.
 
     Resets the predictor's feature standardisation to the replay's statistics first. Only
     the predictor's parameters receive gradients (features are detached data). Returns
-    ``predictor/loss_before`` and ``predictor/loss`` (weighted MSE over the replay before and
-    after, eval mode), ``predictor/entries`` and ``predictor/updates``.
+    ``predictor/loss_before`` and ``predictor/loss`` (weighted MSE over the whole replay
+    before and after, eval mode), ``predictor/holdout_loss`` (of the kept weights; absent
+    when ``holdout=0``), ``predictor/epochs_kept``, ``predictor/entries`` and
+    ``predictor/updates``.
 
     Args:
-        generator: shuffling RNG (CPU); pass one seeded identically on every rank to keep
-            replicas equal.
+        epochs: most passes over the training share.
+        generator: split and shuffling RNG (CPU); pass one seeded identically on every rank
+            to keep replicas equal.
+        holdout: share of entries held out for early stopping, in [0, 1).
     """
-    if epochs < 0 or batch_size < 1:
-        raise ValueError(f"fit_predictor needs epochs >= 0 and batch_size >= 1, got "
-                         f"epochs={epochs}, batch_size={batch_size}")
+    if epochs < 0 or batch_size < 1 or not 0.0 <= holdout < 1.0:
+        raise ValueError(f"fit_predictor needs epochs >= 0, batch_size >= 1 and holdout in "
+                         f"[0, 1), got epochs={epochs}, batch_size={batch_size}, "
+                         f"holdout={holdout}")
     data = buffer.sample_all()
     device = predictor.feature_mean.device
     feats, depth, value, weight = (t.to(device) for t in data)  # (N, D), (N,), (N,), (N,)
     predictor.set_normalisation(feats)
+    n = len(value)
+    perm = torch.randperm(n, generator=generator).to(device)  # (N,)
+    n_held = int(round(holdout * n)) if n >= 10 else 0
+    held, train = perm[:n_held], perm[n_held:]  # (H,), (N-H,)
 
-    def full_loss() -> float:
-        return weighted_squared_error(predictor.predict(feats, depth), value.cpu(),
-                                      weight.cpu()).item()
+    def loss_on(idx: Tensor | None = None) -> float:
+        f, d, v, w = ((feats, depth, value, weight) if idx is None
+                      else (feats[idx], depth[idx], value[idx], weight[idx]))
+        return weighted_squared_error(predictor.predict(f, d), v.cpu(), w.cpu()).item()
 
-    before = full_loss()
+    before = loss_on()
+    best = loss_on(held) if n_held else math.inf
+    best_state, kept = copy.deepcopy(predictor.state_dict()), 0
     was_training = predictor.training
-    predictor.train()
-    n, updates = len(value), 0
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=generator).to(device)  # (N,)
-        for start in range(0, n, batch_size):
+    updates = 0
+    for epoch in range(1, epochs + 1):
+        predictor.train()
+        order = train[torch.randperm(len(train), generator=generator).to(device)]  # (N-H,)
+        for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]  # (B,)
             if weight[idx].sum() <= 0:
                 continue
@@ -448,11 +469,24 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
             loss.backward()
             optimizer.step()
             updates += 1
+        if n_held:
+            held_loss = loss_on(held)
+            if held_loss < best:
+                best, kept = held_loss, epoch
+                best_state = copy.deepcopy(predictor.state_dict())
+        else:
+            kept = epoch
+    if n_held:
+        predictor.load_state_dict(best_state)
     predictor.train(was_training)
-    after = full_loss()
+    after = loss_on()
     assert math.isfinite(after), "predictor loss is not finite"
-    return {"predictor/loss_before": before, "predictor/loss": after,
-            "predictor/entries": float(n), "predictor/updates": float(updates)}
+    out = {"predictor/loss_before": before, "predictor/loss": after,
+           "predictor/epochs_kept": float(kept), "predictor/entries": float(n),
+           "predictor/updates": float(updates)}
+    if n_held:
+        out["predictor/holdout_loss"] = best
+    return out
 
 
 __all__ = [

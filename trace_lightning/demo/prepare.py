@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # The tiny policy's instruction: short (every token is paid for on a CPU), same tags.
 DEMO_INSTRUCTION = "Search one name at a time, then answer.\nQuestion: {question}\n"
-MANIFEST_VERSION = 6  # bump when the world, the formats or the warm start change
+MANIFEST_VERSION = 7  # bump when the world, the formats or the warm start change
 # Tiny Qwen3 defaults (``tiny_qwen3_config`` fields); ``model=`` overrides any of them.
 # Measured (calibration notes in the module docstring): width 64 learns the skill as fast
 # per example as 128 at about half the compute; 2 layers copy from the question but not
