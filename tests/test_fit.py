@@ -107,6 +107,15 @@ def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path):
     assert float(metrics["val/demo_heldout/questions"]) == 16
 
 
+def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path):
+    # Lightning builds the validation loaders before the first epoch; the rollouts must
+    # still be sampled after that epoch's updates, with freshly synced weights
+    out = cli(["fit", *demo_args(demo_dir, tmp_path, 1)])
+    assert out.trainer.global_step == 2  # two mini-batch updates
+    assert out.datamodule.last_val_step == 2
+    assert out.datamodule.sync_diff < 1e-3
+
+
 def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     # pass@1 from 3 samples per question at T=1: 48 scored rollouts; EM is a multiple of 1/48
     out = cli(["validate", *demo_args(demo_dir, tmp_path, 1), "--data.val_temperature=1.0",

@@ -21,7 +21,7 @@ from typing import Literal
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trace_lightning.allocators import Allocator
 from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
@@ -207,6 +207,8 @@ class TraceDataModule(L.LightningDataModule):
         self.last_step: RolloutStep | None = None  # read by the monitoring callbacks
         self.last_val_trees: dict[str, list[RolloutTree]] = {}
         self.sync_diff: float | None = None
+        self._synced_step: int | None = None  # trainer.global_step of the last weight sync
+        self.last_val_step: int | None = None  # trainer.global_step the last validation scored
         self.timings: dict[str, float] = {}
 
     # ---- configuration checks (before any work) ------------------------------------------
@@ -303,6 +305,7 @@ class TraceDataModule(L.LightningDataModule):
 
     def _sync(self) -> None:
         """Copy the policy's weights into the engine and check the copy."""
+        self._synced_step = self.trainer.global_step
         module = self.trainer.lightning_module
         probe = [self._env(self.corpus).prompt(self._probe_question())[0][:64]]
         tic = time.perf_counter()
@@ -379,22 +382,36 @@ class TraceDataModule(L.LightningDataModule):
         return minibatches
 
     def val_dataloader(self) -> list[DataLoader]:
-        self._sync()
+        """One loader per validation set; its rollouts are sampled when it is iterated.
+
+        Lightning may build the validation loaders before training starts (for the progress
+        bar) and reuse them for the first validation, so sampling here would score the
+        policy from before the first epoch's updates. Each loader's sampler instead runs the
+        rollouts with the current weights at the start of every pass.
+        """
         rank, world = self._rank
         loaders = []
+        for v in self.val_sets:
+            mine = self.val_examples[v.name][rank::world]
+            rows = _ValRollouts(len(mine) * self.val_samples,
+                                lambda v=v, mine=mine: self._val_rows(v, mine))
+            loaders.append(DataLoader(rows, batch_size=64, sampler=_SampleOnIter(rows),
+                                      collate_fn=_collate_rows))
+        return loaders
+
+    def _val_rows(self, v: EvalSet, mine: list[QAExample]) -> list[dict]:
+        """Greedy (or ``val_temperature``) rollouts of this rank's share of ``v``."""
+        if self._synced_step != self.trainer.global_step:
+            self._sync()
         tic = time.perf_counter()
         sampling = SamplingConfig(temperature=self.val_temperature, top_p=1.0,
                                   max_tokens=self.sampling.max_tokens, seed=self.seed)
-        for v in self.val_sets:
-            mine = self.val_examples[v.name][rank::world]
-            trees = sample_trees(self.engine, self._env(v.corpus), mine, n=self.val_samples,
-                                 sampling=sampling, seed=self.seed)
-            self.last_val_trees[v.name] = trees
-            rows = [_val_row(t, leaf) for t in trees for leaf in t.leaves()]
-            loaders.append(DataLoader(rows, batch_size=64, shuffle=False,
-                                      collate_fn=_collate_rows))
+        trees = sample_trees(self.engine, self._env(v.corpus), mine, n=self.val_samples,
+                             sampling=sampling, seed=self.seed)
+        self.last_val_trees[v.name] = trees
+        self.last_val_step = self.trainer.global_step
         self.timings["validation_rollout"] = time.perf_counter() - tic
-        return loaders
+        return [_val_row(t, leaf) for t in trees for leaf in t.leaves()]
 
     # ---- checkpointing: the sampler's RNG -----------------------------------------------
     def state_dict(self) -> dict:
@@ -406,6 +423,37 @@ class TraceDataModule(L.LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         pass
+
+
+class _ValRollouts(Dataset):
+    """``n`` validation rows, (re)computed by ``sample()`` when ``refresh`` is called."""
+
+    def __init__(self, n: int, sample) -> None:
+        self.n, self.sample, self.rows = n, sample, None
+
+    def refresh(self) -> None:
+        self.rows = self.sample()
+        assert len(self.rows) == self.n, (len(self.rows), self.n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+class _SampleOnIter(Sampler):
+    """In-order sampler that refreshes its ``_ValRollouts`` at the start of every pass."""
+
+    def __init__(self, rows: _ValRollouts) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        self.rows.refresh()
+        return iter(range(len(self.rows)))
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 def _empty_microbatch(pad_id: int) -> dict:
