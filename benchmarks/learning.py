@@ -4,7 +4,9 @@ Trains the same warm-started demo policy with ``uniform`` (GRPO), ``random_tree`
 (TreePO-style), ``prompt`` (prompt-level allocation) and ``trace``, at the same leaves per
 step and the same number of steps, over several seeds, through the real CLI
 (``trace-lightning fit --config configs/demo.yaml [--config configs/demo_<method>.yaml]``),
-and reads every figure back from the runs' TensorBoard event files.
+and reads every figure back from the runs' TensorBoard event files. Each run is its own
+process (as a user runs it), so one run's engine memory cannot starve the next; a run whose
+event files already hold all its epochs is read back instead of rerun (``--fresh`` reruns).
 
 Reported per method: held-out accuracy (val/demo_heldout/em) before RL and after each epoch
 (mean and min-max over seeds), effective ratio, informative-leaf share, generated tokens,
@@ -23,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -49,21 +53,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", default="docs/learning.png")
     p.add_argument("--quick", action="store_true", help="1 seed, 3 epochs, 100 questions")
     p.add_argument("--extra", nargs="*", default=[], help="more CLI overrides for every run")
+    p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     return p.parse_args(argv)
 
 
-def scalars(run_dir: Path) -> dict[str, list[float]]:
+def scalars(run_dir: Path, version: int = -1) -> tuple[dict[str, list[float]], float]:
+    """A run's scalars by tag, and the seconds between its first and last event."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (version,) = sorted((run_dir / "tensorboard").glob("version_*"))[-1:]
-    acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
+    versions = sorted((run_dir / "tensorboard").glob("version_*"),
+                      key=lambda p: int(p.name.split("_")[1]))
+    acc = EventAccumulator(str(versions[version]), size_guidance={"scalars": 0})
     acc.Reload()
-    return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    events = [e for t in acc.Tags()["scalars"] for e in acc.Scalars(t)]
+    span = max(e.wall_time for e in events) - min(e.wall_time for e in events) if events else 0.0
+    return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}, span
+
+
+def _finished(out: Path, epochs: int) -> bool:
+    runs = sorted((out / "tensorboard").glob("version_*"))
+    if len(runs) < 2:
+        return False
+    return len(scalars(out)[0].get(KEYS["acc"], [])) >= epochs
 
 
 def run(method: str, seed: int, args, root: Path) -> dict:
-    from trace_lightning.cli import main
-
     out = root / f"{method}_seed{seed}"
     configs = ["--config", str(REPO / "configs" / "demo.yaml")]
     if method != "trace":
@@ -73,15 +87,20 @@ def run(method: str, seed: int, args, root: Path) -> dict:
     common = [f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
               f"--seed_everything={seed}", f"--data.seed={seed}",
               f"--data.allocator.seed={seed}", f"--data.val={json.dumps(val)}", *args.extra]
-    tic = time.perf_counter()
-    main(["validate", *configs, *common])  # accuracy of the warm-started policy
-    before = scalars(out)[KEYS["acc"]][-1]
-    main(["fit", *configs, *common, f"--trainer.max_epochs={args.epochs}"])
-    s = scalars(out)
+    if args.fresh or not _finished(out, args.epochs):
+        if out.exists():
+            shutil.rmtree(out)
+        cli = [sys.executable, "-m", "trace_lightning.cli"]
+        # accuracy of the warm-started policy, then training
+        subprocess.run([*cli, "validate", *configs, *common], check=True, cwd=REPO)
+        subprocess.run([*cli, "fit", *configs, *common, f"--trainer.max_epochs={args.epochs}"],
+                       check=True, cwd=REPO)
+    before = scalars(out, 0)[0][KEYS["acc"]][-1]
+    s, wall_s = scalars(out)
     return {"method": method, "seed": seed, "acc_before": before,
             "acc": s[KEYS["acc"]][-args.epochs:],
             **{k: s.get(v, []) for k, v in KEYS.items() if k != "acc"},
-            "wall_s": time.perf_counter() - tic}
+            "wall_s": wall_s}
 
 
 def budget_to_reach(acc: list[float], leaves: list[float], target: float) -> float | None:
