@@ -191,3 +191,18 @@ def test_build_engine_errors_name_flag_value_and_fix(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="expected one of 'vllm', 'hf'"):
         build_engine("sglang", tmp_path)
+
+
+def test_close_releases_the_vllm_engine_memory(model_dir, prompts):
+    # a 1 GiB KV cache: closing must give it back, and a new engine must start afterwards
+    psutil = pytest.importorskip("psutil")
+    proc = psutil.Process()
+    engine = build_engine("vllm", model_dir, enforce_eager=True, kv_cache_memory_gb=1.0, seed=0)
+    held = proc.memory_info().rss
+    engine.close()
+    assert engine.llm is None
+    assert held - proc.memory_info().rss > 0.5 * 2**30
+    again = build_engine("vllm", model_dir, enforce_eager=True, kv_cache_memory_gb=1.0, seed=0)
+    out = again.generate(prompts[:1], SamplingConfig(temperature=0.0, max_tokens=4))
+    assert len(out[0][0].token_ids) > 0
+    again.close()

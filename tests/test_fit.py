@@ -104,7 +104,8 @@ def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path):
     out = cli(["validate", *demo_args(demo_dir, tmp_path, 1)])
     metrics = out.trainer.callback_metrics
     assert "val/demo_heldout/em" in metrics and "val/demo_heldout/questions" in metrics
-    assert float(metrics["val/demo_heldout/questions"]) == 16
+    # 16 questions x the demo config's 2 samples each
+    assert float(metrics["val/demo_heldout/questions"]) == 32
 
 
 def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path):
@@ -127,7 +128,8 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     trees = out.datamodule.last_val_trees["demo_heldout"]
     assert len(trees) == 16 and all(len(t.leaves()) == 3 for t in trees)
     with pytest.raises(ValueError, match="--data.val_samples"):
-        main(["validate", *demo_args(demo_dir, tmp_path, 1), "--data.val_samples=2"])
+        main(["validate", *demo_args(demo_dir, tmp_path, 1), "--data.val_temperature=0.0",
+              "--data.val_samples=2"])
 
 
 @pytest.mark.parametrize("override, message", [
@@ -211,7 +213,8 @@ def test_validate_on_real_hotpotqa_dev(hotpot_policy, shared_data, tmp_path):
                 f"--data.val={json.dumps(val)}", "--data.engine.max_model_len=2048",
                 "--data.env.max_seq_tokens=1536", "--data.env.use_chat_template=true",
                 f"--data.env.instruction={json.dumps(SEARCH_R1)}", "--data.env.max_turns=2",
-                "--data.sampling.max_tokens=32"])
+                "--data.sampling.max_tokens=32", "--data.val_temperature=0.0",
+                "--data.val_samples=1"])
     metrics = out.trainer.callback_metrics
     # a random policy scores about zero; what is tested is the pipeline on real questions
     assert float(metrics["val/hotpotqa/questions"]) == 6

@@ -422,7 +422,12 @@ class TraceDataModule(L.LightningDataModule):
         self.allocator.load_state_dict(state["allocator"])
 
     def teardown(self, stage: str) -> None:
-        pass
+        """Release the engine (its KV cache and weights) at the end of fit/validate, so a
+        process that runs several (a notebook, a benchmark, the tests) does not keep each
+        one's memory; the next ``setup`` builds a fresh engine."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
 
 class _ValRollouts(Dataset):

@@ -62,3 +62,7 @@ class RolloutEngine(Protocol):
 
     def wake_up(self) -> None:
         ...
+
+    def close(self) -> None:
+        """Release the engine's memory (KV cache, weights); the engine is unusable after."""
+        ...

@@ -164,6 +164,10 @@ class HFEngine:
             raise KeyError(f"weights do not fit the engine's model: missing {missing}, "
                            f"unexpected {unexpected}")
 
+    def close(self) -> None:
+        """Drop the model (the caller's module, if one was passed, stays alive)."""
+        self.model = None
+
     def sleep(self) -> None:
         """No-op: the transformers engine keeps its weights where they are."""
 

