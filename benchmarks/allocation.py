@@ -66,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--oracle-samples", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--featuriser", default="hidden", choices=["hidden", "bag_of_tokens"],
+                   help="the shared predictor's features")
+    p.add_argument("--shrink", type=float, default=1.0,
+                   help="scale predictions toward their mean (1: as predicted, 0: constant)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="2 warm-up and 2 measured steps")
     p.add_argument("--out", default=None, help="also write the JSON result here")
@@ -75,9 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 class OnlinePredictor:
     """The shared predictor outside Lightning: features from the policy, online fitting."""
 
-    def __init__(self, policy, seed: int):
-        self.policy = policy
-        self.featuriser = Featuriser("hidden")
+    def __init__(self, policy, seed: int, featuriser: str = "hidden", shrink: float = 1.0):
+        self.policy, self.shrink = policy, shrink
+        self.featuriser = Featuriser(featuriser)
         self.model = SuccessPredictor(self.featuriser.feature_dim(policy), hidden=128)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
         self.replay = ReplayBuffer(4)
@@ -87,6 +91,11 @@ class OnlinePredictor:
     @torch.no_grad()
     def predict(self, trees) -> None:
         predict_nodes(self.model, trees, self.featuriser.nodes(self.policy, trees))
+        if self.shrink != 1.0:  # p <- m + shrink (p - m), m the mean prediction
+            nodes = [n for t in trees for n in t.nodes if n.prediction is not None]
+            m = sum(n.prediction for n in nodes) / max(len(nodes), 1)
+            for n in nodes:
+                n.prediction = m + self.shrink * (n.prediction - m)
 
     def learn(self, step: RolloutStep) -> None:
         with torch.no_grad():
@@ -147,7 +156,7 @@ def main(argv=None) -> dict:
                          max_rollouts_per_prompt=args.max_rollouts, group_size=args.group_size,
                          explore_fraction=args.explore_fraction, seed=args.seed)
 
-    predictor = OnlinePredictor(policy, args.seed)
+    predictor = OnlinePredictor(policy, args.seed, args.featuriser, args.shrink)
     tic = time.perf_counter()
     for w in range(args.warmup_steps):  # uniform rollouts teach the predictor (cold start)
         cands = [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
