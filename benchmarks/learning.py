@@ -10,9 +10,9 @@ event files already hold all its epochs is read back instead of rerun (``--fresh
 
 Reported per method: held-out accuracy (val/demo_heldout/em) before RL and after each epoch
 (mean and min-max over seeds), effective ratio, informative-leaf share, generated tokens,
-wall time; and the sampling budget (leaves) each method needs to reach a target accuracy,
-by default the final accuracy of ``uniform`` (so ``trace``'s budget / ``uniform``'s is the
-saving at equal result). Writes a plot of accuracy against sampling budget per method.
+wall time of the fit (first to last logged event); and the sampling budget (leaves) each
+method needs to reach a target accuracy, by default the final accuracy of ``uniform`` (so
+``trace``'s budget / ``uniform``'s is the saving at equal result). Writes a plot of accuracy against sampling budget per method.
 
     python benchmarks/learning.py                   # 3 seeds x 4 methods (about an hour here)
     python benchmarks/learning.py --quick           # 1 seed, fewer epochs (< 10 minutes here)

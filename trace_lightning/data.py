@@ -305,12 +305,12 @@ class TraceDataModule(L.LightningDataModule):
 
     def _sync(self) -> None:
         """Copy the policy's weights into the engine and check the copy."""
-        self._synced_step = self.trainer.global_step
         module = self.trainer.lightning_module
         probe = [self._env(self.corpus).prompt(self._probe_question())[0][:64]]
         tic = time.perf_counter()
         self.sync_diff = module.sync_to_engine(self.engine, probe, self.engine_cfg.sync_atol)
         self.timings["sync"] = time.perf_counter() - tic
+        self._synced_step = self.trainer.global_step
 
     def _probe_question(self) -> str:
         examples = self.train_examples or next(iter(self.val_examples.values()), [])
@@ -400,7 +400,8 @@ class TraceDataModule(L.LightningDataModule):
         return loaders
 
     def _val_rows(self, v: EvalSet, mine: list[QAExample]) -> list[dict]:
-        """Greedy (or ``val_temperature``) rollouts of this rank's share of ``v``."""
+        """``val_samples`` rollouts at ``val_temperature`` per question of this rank's share
+        of ``v``, with the current weights (synced first if the policy changed)."""
         if self._synced_step != self.trainer.global_step:
             self._sync()
         tic = time.perf_counter()

@@ -418,7 +418,8 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
     pass, or its weights from before the fit when no pass beat them. (Without this the MLP
     memorises a few hundred nodes: measured on the demo, 20 passes left a Brier score worse
     than the constant mean on the next step's nodes, and TRACE then filtered out most
-    prompts as certain.) ``holdout=0`` trains on everything for ``epochs`` passes.
+    prompts as certain.) ``holdout=0``, or a replay of under 10 entries, trains on everything
+    for ``epochs`` passes.
 
     Resets the predictor's feature standardisation to the replay's statistics first. Only
     the predictor's parameters receive gradients (features are detached data). Returns

@@ -159,7 +159,7 @@ def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, policy_mask: torch
     policy mask, ``a`` the attention mask (real tokens) and ``w = context_weight``. With
     ``w = 0`` (the default) only the policy's tokens are trained on. ``w > 0`` adds a
     language-model loss on the prompt and the observations, a stand-in for the pretraining
-    a real LLM brings (reading documents, repeating names); see the calibration notes.
+    a real LLM brings (reading documents, repeating names).
 
     No attention mask is passed to the model: right padding never reaches a real token
     under the causal mask and is never a target, so mask-free (faster) attention gives the

@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 
 # The fixed pool of name pieces: 64 syllables, lower case. A person is two words of 2
 # syllables; cities and company names are 2 syllables, countries 3 (from COUNTRY_POOL,
-# below). (Countries of 2
-# syllables measured worse: 2.5-9.5% held-out success instead of 6-24%, with more
-# trajectories that keep searching, as if the name's shape had told the tiny policy that
-# it holds the answer.)
+# below). (Countries of 2 syllables measured worse: 2.5-9.5% held-out success instead of
+# 6-24%, with more trajectories that keep searching, as if the name's shape had told the
+# tiny policy that it holds the answer.)
 SYLLABLES = (
     "ka", "vel", "mor", "dra", "xen", "lun", "tor", "bri", "sal", "quin", "zar", "fen", "gol",
     "ris", "pa", "dun", "mi", "thal", "ver", "os", "ke", "lo", "nar", "bel", "cor", "fi",
