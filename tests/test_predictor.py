@@ -21,6 +21,7 @@ from trace_lightning.predictor import (
     node_targets,
     predict_nodes,
     prompt_features,
+    prompt_group,
     training_batch,
     weighted_squared_error,
 )
@@ -177,7 +178,7 @@ def test_fit_decreases_weighted_loss_on_separable_set():
     y = (x[:, 0] > 3).float()  # (N,)
     w = torch.randint(1, 5, (256,), generator=gen).float()  # (N,)
     buf = ReplayBuffer(max_steps=1)
-    buf.add(PredictorBatch(x, torch.zeros(256, dtype=torch.long), y, w))
+    buf.add(PredictorBatch(x, torch.zeros(256, dtype=torch.long), y, w, torch.arange(256)))
     torch.manual_seed(0)
     pred = SuccessPredictor(6, hidden=32)
     opt = torch.optim.AdamW(pred.parameters(), lr=3e-3)
@@ -199,7 +200,8 @@ def test_early_stopping_keeps_the_predictor_from_memorising_noise():
     y = (torch.rand(200, generator=gen) < 0.5).float()
     y_new = (torch.rand(2000, generator=gen) < 0.5).float()
     buf = ReplayBuffer(max_steps=1)
-    buf.add(PredictorBatch(x, torch.zeros(200, dtype=torch.long), y, torch.ones(200)))
+    buf.add(PredictorBatch(x, torch.zeros(200, dtype=torch.long), y, torch.ones(200),
+                            torch.arange(200)))
 
     def fit(holdout: float) -> tuple[dict, float]:
         torch.manual_seed(0)
@@ -242,7 +244,7 @@ def test_node_targets_and_predictions():
 def test_replay_buffer_keeps_last_steps_and_round_trips():
     def step(v: float, n: int) -> PredictorBatch:
         return PredictorBatch(torch.randn(n, 4), torch.arange(n), torch.full((n,), v),
-                              torch.ones(n))
+                              torch.ones(n), torch.arange(n))
 
     buf = ReplayBuffer(max_steps=2)
     for i, n in enumerate([3, 2, 4]):
@@ -292,3 +294,45 @@ def test_predictor_learns_from_prefixes(policy):
     assert _held_out_skill(policy, informative=False) < 0.1
     # features are detached: fitting never touched the policy's gradients
     assert all(p.grad is None for p in policy.parameters())
+
+
+def test_holdout_splits_by_prompt_so_memorised_questions_do_not_count():
+    # 40 prompts x 5 nodes: a node's features are its prompt's random identity plus a little
+    # noise, its value the prompt's coin flip. Held out by node, every held-out node's prompt
+    # is also in training, so memorising prompts keeps lowering the held-out loss; held out
+    # by prompt, memorising does not help and the fit stops near the constant mean (0.25 on
+    # new prompts)
+    gen = torch.Generator().manual_seed(2)
+    ident = torch.randn(40, 16, generator=gen) * 2  # (G, D)
+    group = torch.arange(40).repeat_interleave(5)  # (N,) 5 nodes per prompt
+    x = ident[group] + 0.1 * torch.randn(200, 16, generator=gen)  # (N, D)
+    y = (torch.rand(40, generator=gen) < 0.5).float()[group]  # (N,)
+    x_new = torch.randn(2000, 16, generator=gen) * 2
+    y_new = (torch.rand(2000, generator=gen) < 0.5).float()
+
+    def fit(groups: torch.Tensor) -> tuple[dict, float]:
+        buf = ReplayBuffer(max_steps=1)
+        buf.add(PredictorBatch(x, torch.zeros(200, dtype=torch.long), y, torch.ones(200),
+                               groups))
+        torch.manual_seed(0)
+        pred = SuccessPredictor(16, hidden=128)
+        opt = torch.optim.AdamW(pred.parameters(), lr=1e-2)
+        stats = fit_predictor(pred, opt, buf, epochs=40, batch_size=32,
+                              generator=torch.Generator().manual_seed(0), holdout=0.2)
+        p = pred.predict(x_new, torch.zeros(2000, dtype=torch.long))
+        return stats, weighted_squared_error(p, y_new, torch.ones(2000)).item()
+
+    by_node, new_loss_by_node = fit(torch.arange(200))
+    by_prompt, new_loss_by_prompt = fit(group)
+    assert by_node["predictor/holdout_loss"] < 0.15  # looks good on memorised prompts...
+    assert new_loss_by_node > 0.28  # ...and is worse than the mean on new ones
+    assert by_prompt["predictor/epochs_kept"] < by_node["predictor/epochs_kept"]
+    assert new_loss_by_prompt < 0.28 < new_loss_by_node - 0.05
+
+
+def test_training_batch_groups_nodes_by_prompt():
+    trees = branched_trees()
+    feats = Featuriser("bag_of_tokens", buckets=8).nodes(None, trees)
+    batch = training_batch(trees, feats)
+    assert batch.group.tolist() == [prompt_group("t")] * 3
+    assert prompt_group("t") == prompt_group("t") != prompt_group("u")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import zlib
 from collections import deque
 from types import SimpleNamespace
 from collections.abc import Mapping, Sequence
@@ -332,6 +333,13 @@ class PredictorBatch(NamedTuple):
     depth: Tensor  # (N,) long
     value: Tensor  # (N,) float32, bottom-up mean leaf reward in [0, 1]
     weight: Tensor  # (N,) float32, n_leaves
+    group: Tensor  # (N,) long, the prompt a node belongs to (``prompt_group``)
+
+
+def prompt_group(tree_id: str) -> int:
+    """A stable integer id of a prompt (CRC-32 of its tree id): the early-stopping holdout
+    splits by prompt, so a prompt's root and prefixes fall on the same side."""
+    return zlib.crc32(tree_id.encode("utf-8"))
 
 
 def node_targets(trees: list[RolloutTree], include_leaves: bool = False
@@ -365,7 +373,8 @@ def training_batch(trees: list[RolloutTree], features: Mapping[NodeKey, Tensor],
                        f"compute them with Featuriser.nodes on the finished trees")
     dim = next(iter(features.values())).shape[-1] if features else 0
     feats = torch.stack([features[k] for k in keys]) if keys else torch.zeros(0, dim)  # (N, D)
-    return PredictorBatch(feats.float(), depth, value, weight)
+    group = torch.tensor([prompt_group(k[0]) for k in keys], dtype=torch.long)  # (N,)
+    return PredictorBatch(feats.float(), depth, value, weight, group)
 
 
 class ReplayBuffer:
@@ -413,13 +422,16 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
                   holdout: float = 0.2) -> dict[str, float]:
     """Weighted squared error over the replay, stopped early on a held-out share of it.
 
-    A random ``holdout`` share of the replay's entries is set aside; after each pass over
-    the rest the held-out loss is measured and the predictor keeps the weights of the best
-    pass, or its weights from before the fit when no pass beat them. (Without this the MLP
-    memorises a few hundred nodes: measured on the demo, 20 passes left a Brier score worse
-    than the constant mean on the next step's nodes, and TRACE then filtered out most
-    prompts as certain.) ``holdout=0``, or a replay of under 10 entries, trains on everything
-    for ``epochs`` passes.
+    A random ``holdout`` share of the replay's prompts (``group``) is set aside with all their
+    nodes; after each pass over the rest the held-out loss is measured and the predictor
+    keeps the weights of the best pass, or its weights from before the fit when no pass beat
+    them. (Without this the MLP memorises a few hundred nodes: measured on the demo, 20
+    passes left a Brier score worse than the constant mean on the next step's nodes, and
+    TRACE then filtered out most prompts as certain.) Holding out whole prompts measures
+    what allocation needs, success on prompts the predictor has not fitted: a root and its
+    prefixes share the question, so a node-level split rewards memorising questions.
+    ``holdout=0``, a replay of under 10 entries or of one prompt, trains on everything for
+    ``epochs`` passes.
 
     Resets the predictor's feature standardisation to the replay's statistics first. Only
     the predictor's parameters receive gradients (features are detached data). Returns
@@ -432,7 +444,7 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
         epochs: most passes over the training share.
         generator: split and shuffling RNG (CPU); pass one seeded identically on every rank
             to keep replicas equal.
-        holdout: share of entries held out for early stopping, in [0, 1).
+        holdout: share of prompts held out for early stopping, in [0, 1).
     """
     if epochs < 0 or batch_size < 1 or not 0.0 <= holdout < 1.0:
         raise ValueError(f"fit_predictor needs epochs >= 0, batch_size >= 1 and holdout in "
@@ -440,12 +452,16 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
                          f"holdout={holdout}")
     data = buffer.sample_all()
     device = predictor.feature_mean.device
-    feats, depth, value, weight = (t.to(device) for t in data)  # (N, D), (N,), (N,), (N,)
+    feats, depth, value, weight, group = (t.to(device) for t in data)  # (N, D), 4 x (N,)
     predictor.set_normalisation(feats)
     n = len(value)
-    perm = torch.randperm(n, generator=generator).to(device)  # (N,)
-    n_held = int(round(holdout * n)) if n >= 10 else 0
-    held, train = perm[:n_held], perm[n_held:]  # (H,), (N-H,)
+    groups = group.unique()  # (G,) sorted
+    groups = groups[torch.randperm(len(groups), generator=generator).to(device)]  # (G,)
+    k = min(int(round(holdout * len(groups))), len(groups) - 1) if n >= 10 else 0
+    held_groups = groups[:k]  # (K,) at least one prompt stays in training
+    is_held = torch.isin(group, held_groups)  # (N,)
+    held, train = is_held.nonzero().squeeze(-1), (~is_held).nonzero().squeeze(-1)  # (H,), (N-H,)
+    n_held = len(held)
 
     def loss_on(idx: Tensor | None = None) -> float:
         f, d, v, w = ((feats, depth, value, weight) if idx is None
@@ -493,6 +509,7 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
 __all__ = [
     "Featuriser", "FeaturiserKind", "NodeKey", "PredictorBatch", "ReplayBuffer",
     "SuccessPredictor", "bag_node_features", "bag_prompt_features", "fit_predictor",
-    "node_features", "node_targets", "predict_nodes", "prompt_features", "training_batch",
+    "node_features", "node_targets", "predict_nodes", "prompt_features", "prompt_group",
+    "training_batch",
     "weighted_squared_error",
 ]
