@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from trace_lightning.cli import cli, main
 from trace_lightning.tree import read_jsonl
@@ -75,6 +76,12 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
     assert [len(t.leaves()) for t in ta] == [len(t.leaves()) for t in tb]
     assert [[n.token_ids for n in t.nodes] for t in ta] == [[n.token_ids for n in t.nodes]
                                                             for t in tb]
+    # the same predictions steered them: the predictor, its replay and the prompt history
+    # (demo.yaml sets model.history) came back from the checkpoint
+    assert [t.root.prediction for t in ta] == pytest.approx([t.root.prediction for t in tb])
+    history = torch.load(ckpt, weights_only=False)["trace"]["history"]  # B's first run
+    epoch0 = list(read_jsonl(b / "trees" / "epoch_0_rank_0.jsonl"))
+    assert set(history["counts"]) == {t.tree_id for t in epoch0}
     sa, sb = scalars(a), scalars(b)
     for key in ("train/loss", "rollout/reward_mean", "alloc/leaves", "val/em"):
         assert sa[key][-1] == pytest.approx(sb[key][-1], abs=1e-5), key

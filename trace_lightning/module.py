@@ -3,6 +3,8 @@
 The policy is any transformers causal LM, built in ``configure_model`` so FSDP can shard it.
 The predictor ``V(H)`` steers allocation only: it trains on each step's bottom-up tree values
 (with a replay of recent steps) by its own optimizer and never enters the policy gradient.
+With ``history`` set, the root predictions of prompts rolled out before are updated by their
+own past outcomes (``PromptHistory``).
 
 Optimisation is manual: one ``training_step`` is one mini-batch of the step's leaves, split
 into token-packed micro-batches whose losses are normalised by the mini-batch's total policy
@@ -18,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from trace_lightning.advantage import AdvantageKind
 from trace_lightning.collect import RolloutStep
 from trace_lightning.engines.sync import sync_weights
+from trace_lightning.history import PromptHistory
 from trace_lightning.loss import policy_loss, token_logprobs
 from trace_lightning.predictor import (Featuriser, ReplayBuffer, SuccessPredictor,
                                        fit_predictor, predict_nodes, training_batch)
@@ -49,6 +52,8 @@ class TraceModule(L.LightningModule):
             (0: no early stopping).
         predictor_batch_size: predictor mini-batch size.
         replay_steps: steps of tree nodes kept for the predictor.
+        history: update root predictions with each prompt's own past outcomes (a
+            ``PromptHistory``: prompts revisited across epochs); None: the predictor alone.
         gradient_checkpointing: trade compute for memory in the policy.
     """
 
@@ -59,7 +64,7 @@ class TraceModule(L.LightningModule):
                  featuriser: Featuriser | None = None, predictor_hidden: int = 256,
                  predictor_lr: float = 1e-3, predictor_epochs: int = 4,
                  predictor_batch_size: int = 256, predictor_holdout: float = 0.2,
-                 replay_steps: int = 4,
+                 replay_steps: int = 4, history: PromptHistory | None = None,
                  gradient_checkpointing: bool = False):
         super().__init__()
         if advantage not in ("tree_grpo", "treepo", "segment", "grpo"):
@@ -68,10 +73,11 @@ class TraceModule(L.LightningModule):
         if not 0 <= clip_low < 1 or clip_high < 0:
             raise ValueError(f"--model.clip_low ({clip_low}) must be in [0, 1) and "
                              f"--model.clip_high ({clip_high}) >= 0")
-        self.save_hyperparameters(ignore=["featuriser"])
+        self.save_hyperparameters(ignore=["featuriser", "history"])
         self.automatic_optimization = False
         self.featuriser = featuriser or Featuriser()
         self.replay = ReplayBuffer(replay_steps)
+        self.history = history
         self.predictor_nodes_seen = 0
         self.policy: PreTrainedModel | None = None
         self.reference: PreTrainedModel | None = None
@@ -148,6 +154,8 @@ class TraceModule(L.LightningModule):
         """Set ``node.prediction`` on every root and non-leaf turn of ``trees``."""
         feats = self.featuriser.nodes(self.policy, trees)
         predict_nodes(self.predictor, trees, feats)
+        if self.history is not None:
+            self.history.adjust(trees, self.current_epoch)
 
     def receive_step(self, step: RolloutStep) -> None:
         """Train the predictor on the step's tree values (all ranks' nodes) plus replay."""
@@ -156,6 +164,9 @@ class TraceModule(L.LightningModule):
         batch = _all_gather_batch(training_batch(step.trees, feats), self.trainer)
         self.replay.add(batch)
         self.predictor_nodes_seen += len(batch.value)
+        if self.history is not None:
+            self.history.record(_all_gather_list(
+                PromptHistory.outcomes_of(step.trees, step.epoch), self.trainer))
         gen = torch.Generator().manual_seed(1000 * self.current_epoch + 17)
         h = self.hparams
         self._predictor_stats = fit_predictor(self.predictor, self.optimizers()[1], self.replay,
@@ -231,21 +242,33 @@ class TraceModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["trace"] = {"replay": self.replay.state_dict(),
                                "predictor_nodes_seen": self.predictor_nodes_seen,
-                               "predictor_stats": self._predictor_stats}
+                               "predictor_stats": self._predictor_stats,
+                               "history": (self.history.state_dict()
+                                           if self.history is not None else None)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint["trace"]
         self.replay.load_state_dict(state["replay"])
         self.predictor_nodes_seen = state["predictor_nodes_seen"]
         self._predictor_stats = state["predictor_stats"]
+        if self.history is not None and state.get("history") is not None:
+            self.history.load_state_dict(state["history"])
+
+
+def _all_gather_list(items: list, trainer) -> list:
+    """Every rank's ``items``, concatenated in rank order."""
+    if trainer is None or trainer.world_size == 1:
+        return items
+    import torch.distributed as dist
+
+    parts = [None] * trainer.world_size
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
 
 
 def _all_gather_batch(batch, trainer):
     """Concatenate every rank's predictor entries (each rank then trains identically)."""
     if trainer is None or trainer.world_size == 1:
         return batch
-    import torch.distributed as dist
-
-    parts = [None] * trainer.world_size
-    dist.all_gather_object(parts, tuple(t.cpu() for t in batch))
+    parts = _all_gather_list([tuple(t.cpu() for t in batch)], trainer)
     return type(batch)(*(torch.cat(ts) for ts in zip(*parts)))

@@ -1,0 +1,82 @@
+"""PromptHistory: hand-checked posteriors, decay, the bare-rollout rule, state round trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from trace_lightning.history import PromptHistory
+from trace_lightning.tree import RolloutTree
+
+KW = dict(token_ids=[7], logprobs=[-1.0], policy_mask=[1])
+
+
+def tree_with_continuations(tree_id: str = "q1") -> RolloutTree:
+    """Two bare rollouts, then continuations added as stage 2 would (later children)::
+
+        root ─ a (rollout 0) ─ a1 leaf r=0      <- bare path of rollout 0
+               │              └ a2 leaf r=1      (continuation from a)
+               └ b (rollout 1) ─ b1 leaf r=1    <- bare path of rollout 1
+                                 └ b2 leaf r=1   (continuation from b)
+               └ c (rollout 2) leaf r=0          (an extra bare rollout: single turn)
+    """
+    t = RolloutTree.new(tree_id, "q?", ["x"], [1, 2])
+    a = t.add_child(0, rollout=0, **KW)
+    b = t.add_child(0, rollout=1, **KW)
+    t.add_child(a.id, finished=True, reward=0.0, **KW)
+    t.add_child(b.id, finished=True, reward=1.0, **KW)
+    t.add_child(a.id, finished=True, reward=1.0, **KW)  # continuation
+    t.add_child(b.id, finished=True, reward=1.0, **KW)  # continuation
+    t.add_child(0, rollout=2, finished=True, reward=0.0, **KW)
+    return t
+
+
+def test_outcomes_count_bare_rollouts_only():
+    # bare paths end at a1 (0), b1 (1), c (0); the continuations a2, b2 (both 1) are left out
+    assert PromptHistory.outcomes_of([tree_with_continuations()], step=4) == [("q1", 4, 1.0, 3.0)]
+
+
+def test_posterior_hand_checked_with_decay():
+    h = PromptHistory(strength=2.0, decay=0.5)
+    h.record(PromptHistory.outcomes_of([tree_with_continuations("q1")], step=3))
+    # step 3: s = 1, n = 3 -> v = (2 * 0.4 + 1) / (2 + 3) = 1.8 / 5 = 0.36
+    assert h.posterior("q1", 0.4, step=3) == pytest.approx(0.36)
+    # two steps later the counts weigh 0.5^2: s = 0.25, n = 0.75 -> (0.8 + 0.25) / 2.75
+    assert h.posterior("q1", 0.4, step=5) == pytest.approx(1.05 / 2.75)
+    # a new record at step 5 adds to the decayed counts: s = 0.25 + 2, n = 0.75 + 2
+    h.record([("q1", 5, 2.0, 2.0)])
+    assert h.counts("q1", 5) == pytest.approx((2.25, 2.75))
+    assert h.posterior("q1", 0.4, step=5) == pytest.approx((0.8 + 2.25) / 4.75)
+    # a prompt never seen keeps its prediction
+    assert h.posterior("other", 0.4, step=5) == 0.4
+
+
+def test_adjust_moves_roots_only_and_separates_failing_from_mixed_prompts():
+    h = PromptHistory(strength=2.0, decay=1.0)
+    h.record([("always_fails", 0, 0.0, 4.0), ("mixed", 0, 2.0, 4.0)])
+    trees = [RolloutTree.new(i, "q?", ["x"], [1]) for i in ("always_fails", "mixed", "new")]
+    for t in trees:
+        t.root.prediction = 0.3
+    prefix = trees[0].add_child(0, rollout=0, **KW)
+    prefix.prediction = 0.3
+    h.adjust(trees, step=1)
+    # (2 * 0.3 + 0) / 6 = 0.1; (2 * 0.3 + 2) / 6 = 0.4333; never seen: 0.3
+    assert [t.root.prediction for t in trees] == pytest.approx([0.1, 2.6 / 6, 0.3])
+    assert prefix.prediction == 0.3
+
+
+def test_state_round_trip():
+    h = PromptHistory(strength=3.0, decay=0.9)
+    h.record([("a", 2, 1.0, 4.0), ("b", 3, 0.0, 2.0)])
+    g = PromptHistory()
+    g.load_state_dict(h.state_dict())
+    assert (g.strength, g.decay, len(g)) == (3.0, 0.9, 2)
+    assert g.posterior("a", 0.5, 4) == h.posterior("a", 0.5, 4)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(strength=0.0), "strength"), (dict(strength=float("nan")), "strength"),
+    (dict(decay=0.0), "decay"), (dict(decay=1.5), "decay"),
+])
+def test_bad_settings_name_the_setting(kw, match):
+    with pytest.raises(ValueError, match=match):
+        PromptHistory(**kw)
