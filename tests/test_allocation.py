@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 
 from trace_lightning.allocation import (
+    beta_moment,
+    expected_root_values,
     prefix_gain,
     prefix_value,
     repeat_prob,
     root_gain,
     root_value,
     solve_prefixes,
+    solve_root_values,
     solve_roots,
     spendable_roots,
     spread_prefix_budget,
@@ -262,3 +265,76 @@ def test_spread_random_is_seeded_and_conserves_budget():
     assert a.counts[1] == []
     c = spread_random([1, 0], [5, 1], np.random.default_rng(0), cap=2)
     assert c.counts == [[2], []] and c.pool_returned == 4 and c.unspent == 4
+
+
+# ---- stage 1 with uncertain predictions ----------------------------------------------------
+
+
+def test_beta_moments_and_expected_values_hand_derived():
+    # uniform belief Beta(1, 1): E[x^2] = 1 * 2 / (2 * 3) = 1/3, E[x^3] = 1/4
+    assert beta_moment(1, 1, 2) == pytest.approx(1 / 3)
+    assert beta_moment(1, 1, 3) == pytest.approx(1 / 4)
+    assert beta_moment(0.0, 2.0, 3) == 0.0 and beta_moment(2.0, 0.0, 3) == 1.0  # point masses
+    table = expected_root_values([0.5, 0.5, 0.35, 0.47, 0.0], [None, 1.0, 1.0, 5.0, 3.0], 3)
+    # exact v = 0.5: 1 - 2 (1/4) = 0.5 at m = 2, 1 - 2 (1/8) = 0.75 at m = 3
+    np.testing.assert_allclose(table[0], [0, 0, 0.5, 0.75])
+    # v = 0.5 worth 1 rollout is Beta(0.5, 0.5): E[x^2] = 0.5 * 1.5 / (1 * 2) = 0.375,
+    # so 1 - 2 (0.375) = 0.25; E[x^3] = 0.375 * 2.5 / 3 = 0.3125 -> 0.375
+    np.testing.assert_allclose(table[1], [0, 0, 0.25, 0.375])
+    # v = 0.35 worth 1: E[x^2] = 0.35 * 1.35 / 2 = 0.23625, E[(1-x)^2] = 0.65 * 1.65 / 2 =
+    # 0.53625 -> 0.2275
+    assert table[2, 2] == pytest.approx(0.2275)
+    # v = 0.47 worth 5 (a prompt 2 of 4 right, prior 0.35 worth 1): a = 2.35, b = 2.65,
+    # E[x^2] = 2.35 * 3.35 / 30, E[(1-x)^2] = 2.65 * 3.65 / 30 -> 1 - 0.26242 - 0.32242
+    assert table[3, 2] == pytest.approx(1 - 2.35 * 3.35 / 30 - 2.65 * 3.65 / 30)
+    np.testing.assert_allclose(table[4], 0.0)  # v = 0 is certain whatever its weight
+
+
+def test_vague_predictions_lose_to_known_mixed_prompts():
+    # 10 prompts never seen (0.35, worth 1 rollout) and 3 whose own rollouts were 2 of 4
+    # right (0.47, worth 5): exact point predictions spread the budget almost evenly by v;
+    # beliefs put it all on the 3 known-mixed prompts
+    v, c = [0.35] * 10 + [0.47] * 3, [1.0] * 10 + [5.0] * 3
+    assert solve_roots(v, 12, 8, counts=c) == [0] * 10 + [4, 4, 4]
+    assert sum(solve_roots(v, 12, 8)[:10]) > 0
+    # counts of None everywhere is the point solver
+    assert solve_roots(v, 12, 8, counts=[None] * 13) == solve_roots(v, 12, 8)
+
+
+def test_value_table_solver_matches_brute_force():
+    rng = random.Random(1)
+    for trial in range(300):
+        n = rng.randint(1, 4)
+        m_max = rng.randint(2, 5)
+        v = [random_prob(rng) for _ in range(n)]
+        counts = [None if rng.random() < 0.3 else rng.choice([0.5, 1.0, 3.0, 20.0])
+                  for _ in range(n)]
+        table = expected_root_values(v, counts, m_max)
+        budget = rng.randint(0, 10)
+        max_prompts = None if trial % 2 else rng.randint(0, n)
+        m = solve_root_values(table, budget, max_prompts)
+        spend = spendable_roots(budget, n, m_max, max_prompts)
+        k_cap = n if max_prompts is None else max_prompts
+        best = max(sum(table[i, x] for i, x in enumerate(mm))
+                   for mm in itertools.product([0, *range(2, m_max + 1)], repeat=n)
+                   if sum(mm) == spend and sum(x > 0 for x in mm) <= k_cap)
+        info = (v, counts, budget, m_max, max_prompts, m)
+        assert sum(m) == spend and all(x == 0 or 2 <= x <= m_max for x in m), info
+        assert max_prompts is None or sum(x > 0 for x in m) <= max_prompts, info
+        np.testing.assert_allclose(sum(table[i, x] for i, x in enumerate(m)), best,
+                                   rtol=1e-9, atol=1e-12, err_msg=str(info))
+        if all(c is None for c in counts):  # the two exact solvers agree on point values
+            np.testing.assert_allclose(roots_objective(v, solve_roots(v, budget, m_max,
+                                                                      max_prompts)), best,
+                                       rtol=1e-9, atol=1e-12)
+
+
+def test_value_table_solver_at_scale_and_bad_counts():
+    rng = np.random.default_rng(0)
+    v = rng.random(512).tolist()
+    m = solve_roots(v, 448, 8, counts=rng.uniform(1, 9, 512).tolist())  # the GPU config's size
+    assert sum(m) == 448 and all(x == 0 or 2 <= x <= 8 for x in m)
+    with pytest.raises(ValueError, match="counts"):
+        expected_root_values([0.5], [0.0], 4)
+    with pytest.raises(ValueError, match="counts"):
+        expected_root_values([0.5, 0.5], [1.0], 4)

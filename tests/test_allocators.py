@@ -85,6 +85,18 @@ def test_prompt_kind_filters_by_prediction():
     assert alloc.plan_prefixes(trees_for(plan)) == PrefixPlan()
 
 
+def test_prediction_counts_reach_the_root_solver():
+    # the same means, but prompts 0-1 are known-mixed (worth 8 rollouts) and 2-6 are vague
+    # (worth 1): the plan opens the known ones first and gives them the most rollouts
+    alloc = allocator("prompt")
+    v = [0.45, 0.45, 0.5, 0.5, 0.5, 0.5, 0.5]
+    point = alloc.plan_roots(7, v, predictor_nodes_seen=0)
+    belief = allocator("prompt").plan_roots(7, v, predictor_nodes_seen=0,
+                                            prediction_counts=[8.0, 8.0] + [1.0] * 5)
+    assert point.rollouts[:2] != belief.rollouts[:2]
+    assert min(belief.rollouts[:2]) >= max(belief.rollouts[2:]) and sum(belief.rollouts) == 24
+
+
 def test_cold_start_falls_back_to_uniform():
     for kind, expect in [("prompt", [4] * 6), ("trace", [4] * 2)]:
         alloc = allocator(kind, cold_start_nodes=100)

@@ -61,6 +61,8 @@ def test_adjust_moves_roots_only_and_separates_failing_from_mixed_prompts():
     h.adjust(trees, step=1)
     # (2 * 0.3 + 0) / 6 = 0.1; (2 * 0.3 + 2) / 6 = 0.4333; never seen: 0.3
     assert [t.root.prediction for t in trees] == pytest.approx([0.1, 2.6 / 6, 0.3])
+    # each posterior is worth strength + n rollouts; a prompt never seen, strength alone
+    assert [t.root.prediction_count for t in trees] == [6.0, 6.0, 2.0]
     assert prefix.prediction == 0.3
 
 

@@ -29,6 +29,12 @@ So ``solve_roots`` tries every feasible k (``ceil(S/m_max) <= k <= min(n, max_pr
 S/2)``) and keeps the best; cost ``O(k_range * k * m_max)`` numpy work, well under a second
 for thousands of candidates.
 
+Uncertain predictions. When a prediction comes with the number of rollouts ``c`` it is worth
+(``PromptHistory``'s posteriors), the prompt's success is a belief ``Beta(v c, (1-v) c)`` and
+the objective is the expected ``V_root`` under it (``expected_root_values``): a vague 0.5 is
+worth less than a well-founded 0.5. Prompts then need not share one order of value for
+every m, so ``solve_root_values`` solves that case exactly by dynamic programming instead.
+
 Stage 2, prefixes. A prefix of a bare rollout with observed reward ``r`` and predicted
 success ``p`` repeats the observed outcome with probability ``q = r p + (1-r)(1-p)``; ``c``
 continuations from it flip the outcome at least once with probability ``1 - q^c``, marginal
@@ -126,7 +132,8 @@ def spendable_roots(budget: int, n: int, m_max: int, max_prompts: int | None = N
 
 
 def solve_roots(v: Sequence[float], budget: int, m_max: int,
-                max_prompts: int | None = None) -> list[int]:
+                max_prompts: int | None = None,
+                counts: Sequence[float | None] | None = None) -> list[int]:
     """Rollouts per prompt maximising ``sum_i V_root(v_i, m_i)`` (exact; see module docstring).
 
     Args:
@@ -134,6 +141,10 @@ def solve_roots(v: Sequence[float], budget: int, m_max: int,
         budget: rollouts to spend in total.
         m_max: most rollouts one prompt may get (>= 2).
         max_prompts: most prompts that may be opened (None: no limit).
+        counts: how many rollouts each prediction is worth (a Beta belief with mean
+            ``v_i``; None entries are exact). When any is given the objective is
+            ``sum_i E[V_root(x_i, m_i)]`` (``expected_root_values``), solved by
+            ``solve_root_values``.
 
     Returns:
         ``m`` with ``m_i = 0`` or ``2 <= m_i <= m_max``, at most ``max_prompts`` nonzero, and
@@ -149,6 +160,8 @@ def solve_roots(v: Sequence[float], budget: int, m_max: int,
     order of ``v (1-v)`` (closest to 0.5 first), then index.
     """
     _check_probs("v", v)
+    if counts is not None and any(c is not None for c in counts):
+        return solve_root_values(expected_root_values(v, counts, m_max), budget, max_prompts)
     n = len(v)
     spend = spendable_roots(budget, n, m_max, max_prompts)
     if spend == 0:
@@ -194,6 +207,96 @@ def solve_roots(v: Sequence[float], budget: int, m_max: int,
         m[i] = int(counts[r])
     assert sum(m) == spend and all(x == 0 or 2 <= x <= m_max for x in m)
     return m
+
+
+# ---- stage 1 with uncertain predictions ---------------------------------------------------
+
+
+def beta_moment(a: float, b: float, m: int) -> float:
+    """``E[x^m]`` for ``x ~ Beta(a, b)``: ``prod_{i<m} (a + i) / (a + b + i)``.
+
+    ``a = 0`` (or ``b = 0``) is the point mass at 0 (at 1): ``E[x^m] = 0`` (1) for m >= 1.
+    """
+    out = 1.0
+    for i in range(m):
+        out *= (a + i) / (a + b + i)
+    return out
+
+
+def expected_root_values(v: Sequence[float], counts: Sequence[float | None],
+                         m_max: int) -> np.ndarray:
+    """``E[V_root(x, m)]`` per prompt for m = 0..m_max: (n, m_max + 1).
+
+    Prompt i's success probability is a belief ``x ~ Beta(v_i c_i, (1 - v_i) c_i)``: mean
+    ``v_i``, worth ``c_i`` rollouts (``PromptHistory``'s posterior has ``c = strength + n``).
+    Then, for m >= 2,
+
+        E[V_root(x, m)] = 1 - E[x^m] - E[(1-x)^m]
+
+    (``beta_moment``), the chance that m rollouts of the prompt are mixed; ``c_i = None`` is
+    a point prediction (``root_value(v_i, m)``). For the same mean a vaguer belief is worth
+    less: v = 0.5 worth 1 rollout gives 0.25 at m = 2 against 0.5 when exact, since the
+    prompt may well be one that always fails or always succeeds.
+    """
+    _check_probs("v", v)
+    if len(counts) != len(v):
+        raise ValueError(f"counts ({len(counts)}) must give one entry per prediction ({len(v)})")
+    out = np.zeros((len(v), m_max + 1))  # (n, m_max+1)
+    for i, (vi, c) in enumerate(zip(v, counts)):
+        if c is not None and not c > 0:
+            raise ValueError(f"counts[{i}] = {c} must be > 0 (rollouts a prediction is worth) "
+                             f"or None (an exact prediction)")
+        for m in range(2, m_max + 1):
+            if c is None or math.isinf(c):
+                out[i, m] = root_value(vi, m)
+            else:
+                a, b = vi * c, (1.0 - vi) * c
+                out[i, m] = 1.0 - beta_moment(a, b, m) - beta_moment(b, a, m)
+    return out
+
+
+def solve_root_values(values: np.ndarray, budget: int,
+                      max_prompts: int | None = None) -> list[int]:
+    """Rollouts per prompt maximising ``sum_i values[i, m_i]`` (exact, by dynamic programming).
+
+    ``values`` (n, m_max + 1) holds any per-prompt value of 0..m_max rollouts (columns 0 and 1
+    are not used: ``m_i = 0`` is worth 0 and ``m_i = 1`` is not allowed). Same constraints
+    and the same budget rule as ``solve_roots``: ``sum(m) == spendable_roots(...)``. Used for
+    ``expected_root_values``, where prompts need not share one order of value for every m
+    (the premise of ``solve_roots``' search over k). Cost ``O(n m_max S)`` array work, times
+    ``max_prompts`` when that cap binds; ties go to the first optimum found.
+    """
+    n, width = values.shape
+    m_max = width - 1
+    spend = spendable_roots(budget, n, m_max, max_prompts)
+    if spend == 0:
+        return [0] * n
+    k_cap = n if max_prompts is None else min(n, max_prompts)
+    rows = k_cap + 1 if k_cap < n else 1  # track the prompts opened only when capped
+    dp = np.full((rows, spend + 1), -np.inf)  # (K+1 or 1, S+1) best value so far
+    dp[0, 0] = 0.0
+    choice = np.zeros((n, rows, spend + 1), dtype=np.int16)  # (n, K+1 or 1, S+1)
+    for i in range(n):
+        best, arg = dp.copy(), np.zeros(dp.shape, dtype=np.int16)  # m_i = 0
+        for m in range(2, min(m_max, spend) + 1):
+            cand = np.full(dp.shape, -np.inf)
+            if rows > 1:
+                cand[1:, m:] = dp[:-1, :-m] + values[i, m]
+            else:
+                cand[:, m:] = dp[:, :-m] + values[i, m]
+            better = cand > best + 1e-12
+            best, arg = np.where(better, cand, best), np.where(better, m, arg)
+        dp, choice[i] = best, arg
+    k = int(np.argmax(dp[:, spend]))
+    assert np.isfinite(dp[k, spend]), (spend, m_max, k_cap)
+    m_out, b = [0] * n, spend
+    for i in reversed(range(n)):
+        m_out[i] = int(choice[i, k, b])
+        b -= m_out[i]
+        if rows > 1 and m_out[i]:
+            k -= 1
+    assert b == 0 and sum(m_out) == spend and all(x == 0 or 2 <= x <= m_max for x in m_out)
+    return m_out
 
 
 # ---- stage 2: prefixes -------------------------------------------------------------------

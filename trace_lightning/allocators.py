@@ -237,7 +237,8 @@ class Allocator:
 
     # ---- stage 1 ---------------------------------------------------------------------------
     def plan_roots(self, n_candidates: int, predictions: Sequence[float] | None = None,
-                   predictor_nodes_seen: int = 0) -> RootPlan:
+                   predictor_nodes_seen: int = 0,
+                   prediction_counts: Sequence[float | None] | None = None) -> RootPlan:
         """Rollouts per candidate prompt.
 
         Args:
@@ -246,6 +247,8 @@ class Allocator:
             predictions: predicted (``oracle``: true) success per candidate; needed by
                 ``prompt``/``trace``/``oracle`` unless cold, ignored otherwise.
             predictor_nodes_seen: nodes the predictor has trained on (for the cold start).
+            prediction_counts: rollouts each prediction is worth (``Node.prediction_count``;
+                None entries, or None: exact), see ``solve_roots``.
         """
         cand = "--data.candidates_per_step"
         cold = self.is_cold(predictor_nodes_seen)
@@ -266,7 +269,8 @@ class Allocator:
         n_explore = self.n_explore
         solve = self.root_budget - n_explore * self.group_size
         k = None if self.prompts_per_step is None else self.prompts_per_step - n_explore
-        rollouts = solve_roots(predictions, solve, self.max_rollouts_per_prompt, k)
+        rollouts = solve_roots(predictions, solve, self.max_rollouts_per_prompt, k,
+                               counts=prediction_counts)
         if sum(rollouts) != solve:
             raise ValueError(f"{cand} ({n_candidates}) is too small: {n_candidates} prompts of at "
                              f"most {self.max_rollouts_per_prompt} rollouts cannot take the "

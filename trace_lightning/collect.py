@@ -63,7 +63,8 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     seconds["predict"] = time.perf_counter() - tic
 
     plan = allocator.plan_roots(len(trees), [t.root.prediction for t in trees]
-                                if informed else None, predictor_nodes_seen)
+                                if informed else None, predictor_nodes_seen,
+                                [t.root.prediction_count for t in trees] if informed else None)
     rank, world = shard
     opened = [(t, m) for t, m in zip(trees, plan.rollouts) if m > 0][rank::world]
     chosen = [t for t, _ in opened]

@@ -20,6 +20,14 @@ Choosing ``strength``: a Beta prior matching success rates with mean mu and vari
 across prompts has strength ``mu (1 - mu) / s2 - 1`` (method of moments). On the demo world
 (mu = 0.30, s2 = 0.107 after removing the binomial noise of 8 samples) that is about 1.
 
+The root solver reads the posterior as a belief, not a point: with ``prediction_count =
+strength + n`` it maximises the expected chance of mixed leaves under ``Beta(v c, (1-v) c)``
+(``allocation.expected_root_values``). A prompt never seen, predicted 0.5 from its features
+alone, is then worth half of one whose own rollouts came out half right: it may well be a
+prompt that always fails. Without this, ranking prompts by a noisy point estimate picks the
+ones whose noise looks best (on the demo: trace's roots chosen by the predictor alone were
+mixed less often than uniform's).
+
 Prefix predictions are left alone: a prefix is new every time. The same idea, as a filter
 rather than a posterior, is GRESO's skipping of prompts whose recent groups had no variance.
 """
@@ -88,10 +96,13 @@ class PromptHistory:
         return (self.strength * prior + s) / (self.strength + n)
 
     def adjust(self, trees: Iterable[RolloutTree], step: int) -> None:
-        """Replace each root's ``prediction`` by its posterior (roots without one are left)."""
+        """Replace each root's ``prediction`` by its posterior mean and set
+        ``prediction_count`` to the rollouts it is worth, ``strength + n`` (roots without a
+        prediction are left)."""
         for t in trees:
             if t.root.prediction is not None:
                 t.root.prediction = self.posterior(t.tree_id, t.root.prediction, step)
+                t.root.prediction_count = self.strength + self.counts(t.tree_id, step)[1]
 
     def state_dict(self) -> dict:
         return {"strength": self.strength, "decay": self.decay,

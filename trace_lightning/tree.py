@@ -56,6 +56,9 @@ class Node:
     n_leaves: int = 0
     value: float | None = None  # mean leaf reward below (bottom-up)
     prediction: float | None = None  # predictor's success probability from this prefix
+    # rollouts the prediction is worth, read as a Beta belief with mean ``prediction``
+    # (PromptHistory sets it on roots); None: taken as exact
+    prediction_count: float | None = None
     continuations: int = 0  # continuations allocated to branch from this prefix
 
     @property
