@@ -63,15 +63,23 @@ def test_adjust_moves_roots_only_and_separates_failing_from_mixed_prompts():
     assert [t.root.prediction for t in trees] == pytest.approx([0.1, 2.6 / 6, 0.3])
     # each posterior is worth strength + n rollouts; a prompt never seen, strength alone
     assert [t.root.prediction_count for t in trees] == [6.0, 6.0, 2.0]
+    # belief=False: the same means, handed over as exact predictions
+    for t in trees:
+        t.root.prediction, t.root.prediction_count = 0.3, None
+    point = PromptHistory(strength=2.0, decay=1.0, belief=False)
+    point.record([("always_fails", 0, 0.0, 4.0)])
+    point.adjust(trees[:1], step=1)
+    assert trees[0].root.prediction == pytest.approx(0.1)
+    assert trees[0].root.prediction_count is None
     assert prefix.prediction == 0.3
 
 
 def test_state_round_trip():
-    h = PromptHistory(strength=3.0, decay=0.9)
+    h = PromptHistory(strength=3.0, decay=0.9, belief=False)
     h.record([("a", 2, 1.0, 4.0), ("b", 3, 0.0, 2.0)])
     g = PromptHistory()
     g.load_state_dict(h.state_dict())
-    assert (g.strength, g.decay, len(g)) == (3.0, 0.9, 2)
+    assert (g.strength, g.decay, g.belief, len(g)) == (3.0, 0.9, False, 2)
     assert g.posterior("a", 0.5, 4) == h.posterior("a", 0.5, 4)
 
 

@@ -22,11 +22,11 @@ across prompts has strength ``mu (1 - mu) / s2 - 1`` (method of moments). On the
 
 The root solver reads the posterior as a belief, not a point: with ``prediction_count =
 strength + n`` it maximises the expected chance of mixed leaves under ``Beta(v c, (1-v) c)``
-(``allocation.expected_root_values``). A prompt never seen, predicted 0.5 from its features
-alone, is then worth half of one whose own rollouts came out half right: it may well be a
-prompt that always fails. Without this, ranking prompts by a noisy point estimate picks the
-ones whose noise looks best (on the demo: trace's roots chosen by the predictor alone were
-mixed less often than uniform's).
+(``allocation.expected_root_values``). Two rollouts of a prompt never seen, predicted 0.5
+from its features alone (worth 1), are then worth 0.25, against 0.42 for a prompt whose 4
+past rollouts came out 2 right and 0.5 for an exact 0.5: the unseen one may well be a prompt
+that always fails. Ranking prompts by a noisy point estimate instead picks the ones whose
+noise looks best.
 
 Prefix predictions are left alone: a prefix is new every time. The same idea, as a filter
 rather than a posterior, is GRESO's skipping of prompts whose recent groups had no variance.
@@ -52,15 +52,17 @@ class PromptHistory:
             smaller, the more one past group outweighs the predictor.
         decay: weight of a rollout per step of age, in (0, 1]; 1 keeps every past rollout
             at full weight, smaller values follow a moving policy.
+        belief: hand the root solver the posterior as a belief worth ``strength + n``
+            rollouts (``Node.prediction_count``); False: as an exact prediction.
     """
 
-    def __init__(self, strength: float = 2.0, decay: float = 0.8) -> None:
+    def __init__(self, strength: float = 2.0, decay: float = 0.8, belief: bool = True) -> None:
         if not strength > 0 or not math.isfinite(strength):
             raise ValueError(f"history strength ({strength}) must be a finite number > 0: the "
                              f"predictor's prediction counts as that many rollouts")
         if not 0 < decay <= 1:
             raise ValueError(f"history decay ({decay}) must be in (0, 1]; 1 never forgets")
-        self.strength, self.decay = strength, decay
+        self.strength, self.decay, self.belief = strength, decay, belief
         self._counts: dict[str, tuple[int, float, float]] = {}  # id -> (step, s, n)
 
     def __len__(self) -> int:
@@ -96,20 +98,22 @@ class PromptHistory:
         return (self.strength * prior + s) / (self.strength + n)
 
     def adjust(self, trees: Iterable[RolloutTree], step: int) -> None:
-        """Replace each root's ``prediction`` by its posterior mean and set
+        """Replace each root's ``prediction`` by its posterior mean and, with ``belief``, set
         ``prediction_count`` to the rollouts it is worth, ``strength + n`` (roots without a
         prediction are left)."""
         for t in trees:
             if t.root.prediction is not None:
                 t.root.prediction = self.posterior(t.tree_id, t.root.prediction, step)
-                t.root.prediction_count = self.strength + self.counts(t.tree_id, step)[1]
+                t.root.prediction_count = (self.strength + self.counts(t.tree_id, step)[1]
+                                           if self.belief else None)
 
     def state_dict(self) -> dict:
-        return {"strength": self.strength, "decay": self.decay,
+        return {"strength": self.strength, "decay": self.decay, "belief": self.belief,
                 "counts": {k: list(v) for k, v in self._counts.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.strength, self.decay = state["strength"], state["decay"]
+        self.belief = state.get("belief", True)
         self._counts = {k: (int(v[0]), float(v[1]), float(v[2]))
                         for k, v in state["counts"].items()}
 

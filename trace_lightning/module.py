@@ -172,6 +172,8 @@ class TraceModule(L.LightningModule):
         self._predictor_stats = fit_predictor(self.predictor, self.optimizers()[1], self.replay,
                                               h.predictor_epochs, h.predictor_batch_size,
                                               generator=gen, holdout=h.predictor_holdout)
+        if self.history is not None:
+            self._predictor_stats["predictor/history_prompts"] = float(len(self.history))
 
     # ---- training -----------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
