@@ -8,14 +8,22 @@ same leaves per step, L = roots * (1 + continuations); the predictor keeps learn
 between steps as in training. ``oracle`` replaces the predictor by success rates estimated
 from ``--oracle-samples`` extra rollouts per node (not counted in its budget).
 
+Root predictions of prompts rolled out before are posteriors given their own past bare
+rollouts (``PromptHistory``, ``--history`` strength and ``--history-decay`` per step, as in
+configs/demo.yaml; ``--history 0`` turns it off; ``--history-belief`` hands them to the root
+solver as beliefs). ``--pool P`` draws the candidates from the
+first P training questions, so prompts recur every few steps as in multi-epoch training;
+with the default (all 600) few candidates have been rolled out before.
+
 Reported per allocator (means over steps):
 - effective ratio: share of prompts given budget whose tree holds a success and a failure;
 - informative-leaf share: share of leaves whose reward differs from their prompt's mean
   (a non-zero prompt-group advantage; Tree-GRPO's group-of-one term is left out because
   it is non-zero for every lone success, contrast or not);
-- leaves, generated tokens, tool calls per step; predictor Brier skill on the step's nodes.
+- leaves, generated tokens, tool calls per step; Brier skill of the predictions that steered
+  the step (1 - Brier / Brier of the constant mean) on its nodes, its roots, its prefixes.
 
-    python benchmarks/allocation.py               # about 10 minutes on 2 CPU cores
+    python benchmarks/allocation.py --pool 192 --history-belief   # about 8 min, 2 CPU cores
     python benchmarks/allocation.py --quick       # a smaller run
 
 Prints a table and ends with one JSON line.
@@ -43,6 +51,7 @@ from trace_lightning.demo.prepare import DEMO_INSTRUCTION, DemoPaths  # noqa: E4
 from trace_lightning.engines import build_engine  # noqa: E402
 from trace_lightning.engines.base import SamplingConfig  # noqa: E402
 from trace_lightning.environment import SearchEnvironment  # noqa: E402
+from trace_lightning.history import PromptHistory  # noqa: E402
 from trace_lightning.predictor import (Featuriser, ReplayBuffer, SuccessPredictor,  # noqa: E402
                                        fit_predictor, predict_nodes, training_batch)
 from trace_lightning.retrieval import BM25Retriever  # noqa: E402
@@ -61,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-rollouts", type=int, default=8, help="m_max")
     p.add_argument("--candidates", type=int, default=96)
     p.add_argument("--explore-fraction", type=float, default=0.125)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--oracle-samples", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -70,6 +79,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the shared predictor's features")
     p.add_argument("--shrink", type=float, default=1.0,
                    help="scale predictions toward their mean (1: as predicted, 0: constant)")
+    p.add_argument("--history", type=float, default=1.0,
+                   help="PromptHistory strength: root predictions become posteriors given each "
+                        "prompt's past bare rollouts (0: off)")
+    p.add_argument("--history-decay", type=float, default=0.9)
+    p.add_argument("--history-belief", action="store_true",
+                   help="PromptHistory(belief=True): the root solver gets each posterior as a "
+                        "belief worth strength + n rollouts (default: the mean, as exact)")
+    p.add_argument("--pool", type=int, default=0,
+                   help="draw candidates from the first POOL training questions (0: all), so "
+                        "prompts recur across steps as in multi-epoch training")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="2 warm-up and 2 measured steps")
     p.add_argument("--out", default=None, help="also write the JSON result here")
@@ -79,8 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 class OnlinePredictor:
     """The shared predictor outside Lightning: features from the policy, online fitting."""
 
-    def __init__(self, policy, seed: int, featuriser: str = "hidden", shrink: float = 1.0):
-        self.policy, self.shrink = policy, shrink
+    def __init__(self, policy, seed: int, featuriser: str = "hidden", shrink: float = 1.0,
+                 history: PromptHistory | None = None):
+        self.policy, self.shrink, self.history = policy, shrink, history
+        self.step = 0
         self.featuriser = Featuriser(featuriser)
         self.model = SuccessPredictor(self.featuriser.feature_dim(policy), hidden=128)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
@@ -96,6 +117,8 @@ class OnlinePredictor:
             m = sum(n.prediction for n in nodes) / max(len(nodes), 1)
             for n in nodes:
                 n.prediction = m + self.shrink * (n.prediction - m)
+        if self.history is not None:
+            self.history.adjust(trees, self.step)
 
     def learn(self, step: RolloutStep) -> None:
         with torch.no_grad():
@@ -103,6 +126,9 @@ class OnlinePredictor:
         batch = training_batch(step.trees, feats)
         self.replay.add(batch)
         self.nodes_seen += len(batch.value)
+        if self.history is not None:
+            self.history.record(PromptHistory.outcomes_of(step.trees, self.step))
+        self.step += 1
         fit_predictor(self.model, self.opt, self.replay, epochs=20, batch_size=128,
                       generator=self.gen, holdout=0.2)
 
@@ -115,18 +141,21 @@ def step_figures(step: RolloutStep) -> dict:
         rewards = [leaf.reward for leaf in t.leaves()]
         mean = sum(rewards) / len(rewards)
         informative += sum(abs(r - mean) > 1e-9 for r in rewards)
-    preds = [(n.prediction, n.value, n.n_leaves) for t in trees for n in t.nodes
-             if n.prediction is not None and n.value is not None and not n.finished]
-    skill = float("nan")
-    if preds:
+    def skill(roots: bool | None) -> float:
+        preds = [(n.prediction, n.value, n.n_leaves) for t in trees for n in t.nodes
+                 if n.prediction is not None and n.value is not None and not n.finished
+                 and (roots is None or (n.parent is None) == roots)]
+        if not preds:
+            return float("nan")
         p, y, w = (np.array(x, dtype=float) for x in zip(*preds))
-        skill = brier_skill(p, y, w)
+        return brier_skill(p, y, w)
     return {"effective_ratio": sum(t.mixed for t in trees) / max(len(trees), 1),
             "informative_leaf_share": informative / max(len(leaves), 1),
             "success": sum(leaf.reward for leaf in leaves) / max(len(leaves), 1),
             "prompts": len(trees), "leaves": step.budget.leaves,
             "generated_tokens": step.budget.generated_tokens,
-            "tool_calls": step.budget.tool_calls, "brier_skill": skill}
+            "tool_calls": step.budget.tool_calls, "brier_skill": skill(None),
+            "skill_roots": skill(True), "skill_prefixes": skill(False)}
 
 
 def main(argv=None) -> dict:
@@ -149,6 +178,8 @@ def main(argv=None) -> dict:
                             use_chat_template=False)
     loop = AgentLoop(engine, env, SamplingConfig(temperature=args.temperature, max_tokens=48))
     questions = load_qa(str(paths.train_qa))
+    if args.pool:
+        questions = questions[:args.pool]
     rng = np.random.default_rng(args.seed)
 
     def allocator(kind: str) -> Allocator:
@@ -156,7 +187,9 @@ def main(argv=None) -> dict:
                          max_rollouts_per_prompt=args.max_rollouts, group_size=args.group_size,
                          explore_fraction=args.explore_fraction, seed=args.seed)
 
-    predictor = OnlinePredictor(policy, args.seed, args.featuriser, args.shrink)
+    history = (PromptHistory(args.history, args.history_decay, belief=args.history_belief)
+               if args.history > 0 else None)
+    predictor = OnlinePredictor(policy, args.seed, args.featuriser, args.shrink, history)
     tic = time.perf_counter()
     for w in range(args.warmup_steps):  # uniform rollouts teach the predictor (cold start)
         cands = [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
@@ -196,7 +229,8 @@ def main(argv=None) -> dict:
     print(f"\nallocation benchmark: L = {args.roots} x (1 + {args.continuations}) leaves per "
           f"step, {args.candidates} candidates, {args.steps} steps, warm-up {warmup_s:.0f} s")
     cols = ["effective_ratio", "informative_leaf_share", "success", "prompts", "leaves",
-            "generated_tokens", "tool_calls", "brier_skill", "seconds_per_step"]
+            "generated_tokens", "tool_calls", "brier_skill", "skill_roots", "skill_prefixes",
+            "seconds_per_step"]
     print(f"{'allocator':12s}" + "".join(f"{c[:14]:>16s}" for c in cols))
     for kind, r in rows.items():
         print(f"{kind:12s}" + "".join(f"{r[c]:16.3f}" for c in cols))

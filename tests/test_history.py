@@ -51,7 +51,7 @@ def test_posterior_hand_checked_with_decay():
 
 
 def test_adjust_moves_roots_only_and_separates_failing_from_mixed_prompts():
-    h = PromptHistory(strength=2.0, decay=1.0)
+    h = PromptHistory(strength=2.0, decay=1.0, belief=True)
     h.record([("always_fails", 0, 0.0, 4.0), ("mixed", 0, 2.0, 4.0)])
     trees = [RolloutTree.new(i, "q?", ["x"], [1]) for i in ("always_fails", "mixed", "new")]
     for t in trees:
@@ -75,11 +75,11 @@ def test_adjust_moves_roots_only_and_separates_failing_from_mixed_prompts():
 
 
 def test_state_round_trip():
-    h = PromptHistory(strength=3.0, decay=0.9, belief=False)
+    h = PromptHistory(strength=3.0, decay=0.9, belief=True)
     h.record([("a", 2, 1.0, 4.0), ("b", 3, 0.0, 2.0)])
     g = PromptHistory()
     g.load_state_dict(h.state_dict())
-    assert (g.strength, g.decay, g.belief, len(g)) == (3.0, 0.9, False, 2)
+    assert (g.strength, g.decay, g.belief, len(g)) == (3.0, 0.9, True, 2)
     assert g.posterior("a", 0.5, 4) == h.posterior("a", 0.5, 4)
 
 

@@ -20,8 +20,8 @@ Choosing ``strength``: a Beta prior matching success rates with mean mu and vari
 across prompts has strength ``mu (1 - mu) / s2 - 1`` (method of moments). On the demo world
 (mu = 0.30, s2 = 0.107 after removing the binomial noise of 8 samples) that is about 1.
 
-The root solver reads the posterior as a belief, not a point: with ``prediction_count =
-strength + n`` it maximises the expected chance of mixed leaves under ``Beta(v c, (1-v) c)``
+With ``belief=True`` the root solver reads the posterior as a belief, not a point: with
+``prediction_count = strength + n`` it maximises the expected chance of mixed leaves under ``Beta(v c, (1-v) c)``
 (``allocation.expected_root_values``). Two rollouts of a prompt never seen, predicted 0.5
 from its features alone (worth 1), are then worth 0.25, against 0.42 for a prompt whose 4
 past rollouts came out 2 right and 0.5 for an exact 0.5: the unseen one may well be a prompt
@@ -53,10 +53,12 @@ class PromptHistory:
         decay: weight of a rollout per step of age, in (0, 1]; 1 keeps every past rollout
             at full weight, smaller values follow a moving policy.
         belief: hand the root solver the posterior as a belief worth ``strength + n``
-            rollouts (``Node.prediction_count``); False: as an exact prediction.
+            rollouts (``Node.prediction_count``); False: as an exact prediction. Measured on
+            the demo: better when most candidates were rolled out before (many epochs over
+            a small set), worse when most are new.
     """
 
-    def __init__(self, strength: float = 2.0, decay: float = 0.8, belief: bool = True) -> None:
+    def __init__(self, strength: float = 2.0, decay: float = 0.8, belief: bool = False) -> None:
         if not strength > 0 or not math.isfinite(strength):
             raise ValueError(f"history strength ({strength}) must be a finite number > 0: the "
                              f"predictor's prediction counts as that many rollouts")
@@ -113,7 +115,7 @@ class PromptHistory:
 
     def load_state_dict(self, state: dict) -> None:
         self.strength, self.decay = state["strength"], state["decay"]
-        self.belief = state.get("belief", True)
+        self.belief = state.get("belief", False)
         self._counts = {k: (int(v[0]), float(v[1]), float(v[2]))
                         for k, v in state["counts"].items()}
 
