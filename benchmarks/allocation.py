@@ -11,9 +11,9 @@ from ``--oracle-samples`` extra rollouts per node (not counted in its budget).
 Root predictions of prompts rolled out before are posteriors given their own past bare
 rollouts (``PromptHistory``, ``--history`` strength and ``--history-decay`` per step, as in
 configs/demo.yaml; ``--history 0`` turns it off; ``--history-belief`` hands them to the root
-solver as beliefs). ``--pool P`` draws the candidates from the
-first P training questions, so prompts recur every few steps as in multi-epoch training;
-with the default (all 600) few candidates have been rolled out before.
+solver as beliefs). ``--pool P`` draws the candidates from the first P training questions,
+so prompts recur every few steps as in multi-epoch training; with the default (all 600)
+few candidates have been rolled out before.
 
 Reported per allocator (means over steps):
 - effective ratio: share of prompts given budget whose tree holds a success and a failure;

@@ -21,12 +21,12 @@ across prompts has strength ``mu (1 - mu) / s2 - 1`` (method of moments). On the
 (mu = 0.30, s2 = 0.107 after removing the binomial noise of 8 samples) that is about 1.
 
 With ``belief=True`` the root solver reads the posterior as a belief, not a point: with
-``prediction_count = strength + n`` it maximises the expected chance of mixed leaves under ``Beta(v c, (1-v) c)``
-(``allocation.expected_root_values``). Two rollouts of a prompt never seen, predicted 0.5
-from its features alone (worth 1), are then worth 0.25, against 0.42 for a prompt whose 4
-past rollouts came out 2 right and 0.5 for an exact 0.5: the unseen one may well be a prompt
-that always fails. Ranking prompts by a noisy point estimate instead picks the ones whose
-noise looks best.
+``prediction_count = strength + n`` it maximises the expected chance of mixed leaves under
+``Beta(v c, (1-v) c)`` (``allocation.expected_root_values``). Two rollouts of a prompt never
+seen, predicted 0.5 from its features alone (worth 1), are then worth 0.25, against 0.42 for
+a prompt whose 4 past rollouts came out 2 right and 0.5 for an exact 0.5: the unseen one may
+well be a prompt that always fails. Ranking prompts by a noisy point estimate instead picks
+the ones whose noise looks best.
 
 Prefix predictions are left alone: a prefix is new every time. The same idea, as a filter
 rather than a posterior, is GRESO's skipping of prompts whose recent groups had no variance.

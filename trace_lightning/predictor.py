@@ -510,6 +510,5 @@ __all__ = [
     "Featuriser", "FeaturiserKind", "NodeKey", "PredictorBatch", "ReplayBuffer",
     "SuccessPredictor", "bag_node_features", "bag_prompt_features", "fit_predictor",
     "node_features", "node_targets", "predict_nodes", "prompt_features", "prompt_group",
-    "training_batch",
-    "weighted_squared_error",
+    "training_batch", "weighted_squared_error",
 ]
