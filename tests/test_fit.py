@@ -59,15 +59,17 @@ def scalars(root: Path) -> dict[str, list[float]]:
 
 def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
     # A: two epochs straight
+    # (with an lr warm-up over 3 of the 4 optimizer steps, so its schedule must resume too)
+    warmup = ("--model.lr=2e-4", "--model.lr_warmup_steps=3")
     a = tmp_path / "a"
-    main(["fit", *demo_args(demo_dir, a, 2)])
+    main(["fit", *demo_args(demo_dir, a, 2, *warmup)])
     # B: one epoch, "killed", then resumed from its last checkpoint for the second
     b = tmp_path / "b"
-    main(["fit", *demo_args(demo_dir, b, 1)])
+    main(["fit", *demo_args(demo_dir, b, 1, *warmup)])
     ckpt = b / "tensorboard" / "version_0" / "checkpoints" / "last.ckpt"
     if not ckpt.exists():
         ckpt = next(b.rglob("last.ckpt"))
-    main(["fit", *demo_args(demo_dir, b, 2), f"--ckpt_path={ckpt}"])
+    main(["fit", *demo_args(demo_dir, b, 2, *warmup), f"--ckpt_path={ckpt}"])
 
     # the same second-epoch trees: same prompts, same allocation, same sampled tokens
     ta = list(read_jsonl(a / "trees" / "epoch_1_rank_0.jsonl"))
@@ -85,6 +87,11 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
     sa, sb = scalars(a), scalars(b)
     for key in ("train/loss", "rollout/reward_mean", "alloc/leaves", "val/em"):
         assert sa[key][-1] == pytest.approx(sb[key][-1], abs=1e-5), key
+    # lr of each step: 2e-4 times min(1, (s + 1) / 3); B's resumed epoch goes on
+    # from its checkpointed schedule (a fresh schedule would start again at 2e-4 / 3)
+    lr = 2.0e-4
+    assert sa["train/lr"] == pytest.approx([lr / 3, 2 * lr / 3, lr, lr], rel=1e-6)
+    assert sb["train/lr"][-2:] == pytest.approx([lr, lr], rel=1e-6)
 
     # the real fit logs every unconditional scalar key documented in callbacks/METRICS.md
     rows = [line.split("|") for line in (REPO / "callbacks" / "METRICS.md").read_text()

@@ -93,3 +93,34 @@ def test_collate_rejects_policy_first_token():
     bad = seq(3, 0, prompt=0)
     with pytest.raises(ValueError, match="prompt token"):
         collate([bad], pad_id=0)
+
+
+def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
+    from types import SimpleNamespace
+
+    from trace_lightning.collect import RolloutStep
+    from trace_lightning.data import TraceDataModule
+    from trace_lightning.tree import Budget
+
+    seqs = skewed(n=12)
+    for s in seqs:
+        s.token_advantages = [s.reward - 0.5] * len(s.input_ids)
+    step = RolloutStep(epoch=3, trees=[], candidates=12, root_plan=[1] * 12, sequences=seqs,
+                       budget=Budget(leaves=12))
+    dm = TraceDataModule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
+                         ppo_epochs=3)
+    dm.tokenizer = SimpleNamespace(pad_token_id=0)
+    batches = dm._batches(step)
+    assert len(batches) == 6  # 2 mini-batches x 3 passes, one optimizer step each
+
+    def ids(batch):  # the first token of each row names its sequence (k + 3)
+        return sorted(int(row[0]) - 3 for mb in batch["micro"] for row in mb["input_ids"])
+
+    passes = [ids(batches[2 * e]) + ids(batches[2 * e + 1]) for e in range(3)]
+    assert all(sorted(p) == list(range(12)) for p in passes)  # each pass: every leaf once
+    splits = [ids(batches[2 * e]) for e in range(3)]
+    assert len({tuple(s) for s in splits}) > 1  # passes are split afresh, not replayed
+    total = sum(sum(s.policy_mask) for s in seqs)
+    assert sum(b["n_tokens"] for b in batches) == 3 * total
+    with pytest.raises(ValueError, match="ppo_epochs"):
+        TraceDataModule(train="unused.jsonl", corpus="unused.jsonl", ppo_epochs=0)

@@ -162,7 +162,11 @@ class TraceDataModule(L.LightningDataModule):
         candidates_per_step: prompts the allocator chooses from each step.
         advantage: tree advantage (linked from ``model.advantage``).
         max_tokens_per_microbatch: padded tokens per micro-batch (packing by token count).
-        minibatches_per_step: optimizer steps per epoch's data (PPO-style mini-batches).
+        minibatches_per_step: optimizer steps per pass over the epoch's leaves (PPO-style
+            mini-batches).
+        ppo_epochs: passes over the epoch's leaves, each split into mini-batches afresh
+            (verl's ``ppo_epochs``): ``minibatches_per_step * ppo_epochs`` optimizer steps per
+            RL step, every one clipped against the behaviour log-probs of the rollouts.
         train_limit: use only the first ``train_limit`` training questions.
         trees_dir: write every epoch's trees as JSONL here (None: don't).
         demo: prepare and use the generated demo world instead of ``train``/``val``.
@@ -178,6 +182,7 @@ class TraceDataModule(L.LightningDataModule):
                  allocator: Allocator | None = None,
                  candidates_per_step: int = 64, advantage: str = "tree_grpo",
                  max_tokens_per_microbatch: int = 8192, minibatches_per_step: int = 1,
+                 ppo_epochs: int = 1,
                  train_limit: int | None = None, trees_dir: str | None = None,
                  demo: DemoConfig | None = None, oracle_samples: int = 8, seed: int = 0):
         super().__init__()
@@ -195,6 +200,7 @@ class TraceDataModule(L.LightningDataModule):
         self.candidates_per_step, self.advantage = candidates_per_step, advantage
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.minibatches_per_step = minibatches_per_step
+        self.ppo_epochs = ppo_epochs
         self.train_limit, self.trees_dir, self.demo, self.seed = train_limit, trees_dir, demo, seed
         self.oracle_samples = oracle_samples
         self._check_config()
@@ -232,6 +238,10 @@ class TraceDataModule(L.LightningDataModule):
         if self.val_samples < 1 or (self.val_temperature == 0.0 and self.val_samples > 1):
             raise ValueError(f"--data.val_samples ({self.val_samples}) must be >= 1, and 1 when "
                              f"--data.val_temperature is 0 (greedy samples are all the same)")
+        if self.minibatches_per_step < 1 or self.ppo_epochs < 1:
+            raise ValueError(f"--data.minibatches_per_step ({self.minibatches_per_step}) and "
+                             f"--data.ppo_epochs ({self.ppo_epochs}) must be >= 1: together "
+                             f"they are the optimizer steps per RL step")
         a = self.allocator
         needed = (a.root_budget // a.group_size if a.kind in ("uniform", "random_tree")
                   else -(-a.root_budget // a.max_rollouts_per_prompt) + a.n_explore)
@@ -353,13 +363,18 @@ class TraceDataModule(L.LightningDataModule):
         return tqdm(total=total, desc=desc, unit="leaf", leave=False, dynamic_ncols=True)
 
     def _batches(self, step: RolloutStep) -> list[dict]:
-        """Mini-batches of token-packed micro-batches; equal counts on every rank."""
+        """Mini-batches of token-packed micro-batches, ``ppo_epochs`` passes over the step's
+        leaves (each pass split afresh); equal counts on every rank."""
         pad = self.tokenizer.pad_token_id
         seqs = step.sequences
-        minis = split_minibatches(seqs, self.minibatches_per_step, seed=step.epoch) if seqs else []
+        minis = []
+        for e in range(self.ppo_epochs):
+            seed = step.epoch * self.ppo_epochs + e  # ppo_epochs=1: the split of earlier runs
+            minis += (split_minibatches(seqs, self.minibatches_per_step, seed=seed) if seqs
+                      else [[] for _ in range(self.minibatches_per_step)])
         out = []
-        for k in range(self.minibatches_per_step):
-            mini = [seqs[i] for i in minis[k]] if seqs else []
+        for idx in minis:
+            mini = [seqs[i] for i in idx]
             groups = pack_microbatches(mini, self.max_tokens_per_microbatch) if mini else []
             micro = [collate([mini[i] for i in g], pad,
                              advantages=[mini[i].token_advantages for i in g]) for g in groups]

@@ -55,6 +55,8 @@ class TraceModule(L.LightningModule):
         history: update root predictions with each prompt's own past outcomes (a
             ``PromptHistory``: prompts revisited across epochs); None: the predictor alone.
         gradient_checkpointing: trade compute for memory in the policy.
+        lr_warmup_steps: raise the policy's lr linearly over its first this many optimizer
+            steps (0: full lr from the first step).
     """
 
     def __init__(self, policy_path: str, dtype: str = "float32", lr: float = 1e-5,
@@ -65,11 +67,14 @@ class TraceModule(L.LightningModule):
                  predictor_lr: float = 1e-3, predictor_epochs: int = 4,
                  predictor_batch_size: int = 256, predictor_holdout: float = 0.2,
                  replay_steps: int = 4, history: PromptHistory | None = None,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, lr_warmup_steps: int = 0):
         super().__init__()
         if advantage not in ("tree_grpo", "treepo", "segment", "grpo"):
             raise ValueError(f"--model.advantage ({advantage!r}): expected one of 'tree_grpo', "
                              f"'treepo', 'segment', 'grpo'")
+        if lr_warmup_steps < 0:
+            raise ValueError(f"--model.lr_warmup_steps ({lr_warmup_steps}) must be >= 0 "
+                             f"(0: no warm-up)")
         if not 0 <= clip_low < 1 or clip_high < 0:
             raise ValueError(f"--model.clip_low ({clip_low}) must be in [0, 1) and "
                              f"--model.clip_high ({clip_high}) >= 0")
@@ -138,7 +143,13 @@ class TraceModule(L.LightningModule):
         policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=h.lr, fused=on_cuda,
                                        weight_decay=h.weight_decay, betas=tuple(h.betas))
         predictor_opt = torch.optim.AdamW(self.predictor.parameters(), lr=h.predictor_lr)
-        return [policy_opt, predictor_opt]
+        if not h.lr_warmup_steps:
+            return [policy_opt, predictor_opt]
+        # linear warm-up of the policy's lr over its first optimizer steps: Adam's first
+        # updates are sign-like (every weight moves by about lr), which a tiny policy on few
+        # rollouts does not survive at the lr it can use later
+        warmup = torch.optim.lr_scheduler.LambdaLR(policy_opt, LinearWarmup(h.lr_warmup_steps))
+        return [policy_opt, predictor_opt], [{"scheduler": warmup, "interval": "step"}]
 
     # ---- called by the DataModule during the rollout phase ------------------------------
     def sync_to_engine(self, engine, probe: list[list[int]], atol: float) -> float:
@@ -208,12 +219,17 @@ class TraceModule(L.LightningModule):
             grad_norm = self.clip_policy_gradients(h.max_grad_norm)
         else:
             grad_norm = float("nan")
+        lr = opt.param_groups[0]["lr"]  # the lr this step used
         opt.step()
         opt.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
         metrics = {f"train/{k}": v / max(tokens, 1.0) for k, v in totals.items()
                    if k != "pg_loss"}
         metrics.update({"train/loss": total_loss, "train/grad_norm": float(grad_norm),
-                        "train/policy_tokens": tokens, "train/ratio_max": ratio_max})
+                        "train/policy_tokens": tokens, "train/ratio_max": ratio_max,
+                        "train/lr": lr})
         if batch_idx == 0:
             metrics.update(self._predictor_stats)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
@@ -255,6 +271,18 @@ class TraceModule(L.LightningModule):
         self._predictor_stats = state["predictor_stats"]
         if self.history is not None and state.get("history") is not None:
             self.history.load_state_dict(state["history"])
+
+
+class LinearWarmup:
+    """``LambdaLR`` factor of optimizer step ``s`` (0-based): ``min(1, (s + 1) / steps)``.
+
+    A class, not a lambda, so the scheduler's state dict (checkpoints) carries it."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.steps)
 
 
 def _all_gather_list(items: list, trainer) -> list:
