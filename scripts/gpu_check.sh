@@ -12,6 +12,7 @@ start=$(date +%s)
 timeout 200 python3 -m trace_lightning.cli fit --config configs/demo.yaml --config configs/demo_gpu.yaml \
   --data.engine.kind=hf --data.demo=null --model.policy_path=$W/model \
   --data.train=$W/train_qa.jsonl --data.corpus=$W/train_corpus.jsonl --data.val="$VAL" \
+  --data.allocator.roots=32 --data.candidates_per_step=64 \
   --trainer.max_epochs=2 --trainer.default_root_dir=/tmp/fit --trainer.logger.init_args.save_dir=/tmp/fit \
   > /tmp/fit.log 2>&1
 echo "FIT_EXIT $? after $(( $(date +%s) - start )) s"
