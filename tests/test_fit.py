@@ -152,6 +152,8 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     ("--data.allocator.group_size=1", "group_size (1) must be >= 2"),
     ("--data.allocator.kind=uniform --data.candidates_per_step=1",
      "--data.candidates_per_step (1)"),
+    ("--data.ppo_epochs=0", "--data.ppo_epochs (0)"),
+    ("--model.lr_warmup_steps=-1", "--model.lr_warmup_steps (-1) must be >= 0"),
 ])
 def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message, capsys):
     with pytest.raises((SystemExit, ValueError)) as err:
