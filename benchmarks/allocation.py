@@ -17,6 +17,8 @@ few candidates have been rolled out before.
 
 Reported per allocator (means over steps):
 - effective ratio: share of prompts given budget whose tree holds a success and a failure;
+- mixed prompts: how many they are (the count the root solver maximises; the ratio divides
+  it by the prompts opened, which favours fewer, larger trees);
 - informative-leaf share: share of leaves whose reward differs from their prompt's mean
   (a non-zero prompt-group advantage; Tree-GRPO's group-of-one term is left out because
   it is non-zero for every lone success, contrast or not);
@@ -152,7 +154,8 @@ def step_figures(step: RolloutStep) -> dict:
     return {"effective_ratio": sum(t.mixed for t in trees) / max(len(trees), 1),
             "informative_leaf_share": informative / max(len(leaves), 1),
             "success": sum(leaf.reward for leaf in leaves) / max(len(leaves), 1),
-            "prompts": len(trees), "leaves": step.budget.leaves,
+            "prompts": len(trees), "mixed_prompts": sum(t.mixed for t in trees),
+            "leaves": step.budget.leaves,
             "generated_tokens": step.budget.generated_tokens,
             "tool_calls": step.budget.tool_calls, "brier_skill": skill(None),
             "skill_roots": skill(True), "skill_prefixes": skill(False)}
@@ -228,7 +231,8 @@ def main(argv=None) -> dict:
         rows[kind]["seconds_per_step"] = seconds[kind] / args.steps
     print(f"\nallocation benchmark: L = {args.roots} x (1 + {args.continuations}) leaves per "
           f"step, {args.candidates} candidates, {args.steps} steps, warm-up {warmup_s:.0f} s")
-    cols = ["effective_ratio", "informative_leaf_share", "success", "prompts", "leaves",
+    cols = ["effective_ratio", "informative_leaf_share", "success", "prompts", "mixed_prompts",
+            "leaves",
             "generated_tokens", "tool_calls", "brier_skill", "skill_roots", "skill_prefixes",
             "seconds_per_step"]
     print(f"{'allocator':12s}" + "".join(f"{c[:14]:>16s}" for c in cols))
