@@ -4,6 +4,9 @@ cache and the errors of a broken corpus."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +150,20 @@ def test_from_documents_in_memory():
     assert hits[1].title == "Lake Quen" and hits[1].text.startswith("Lake Quen lies")
     with pytest.raises(ValueError, match=r"documents\[1\]"):
         BM25Retriever.from_documents([docs[0], {"id": "x"}])
+
+
+def test_importing_bm25_keeps_jax_off_the_gpu():
+    # bm25s imports JAX (when installed) and runs a top-k at import; XLA's default then takes
+    # 75% of every GPU (105 of 140 GiB on the H200). Our import must have JAX on the CPU,
+    # allocating on demand, unless the process chose otherwise before importing us.
+    code = ("import os, trace_lightning.retrieval.bm25; "
+            "print(os.environ['JAX_PLATFORMS'], os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["cpu", "false"]
+    env["JAX_PLATFORMS"] = "cuda"  # a process that configured JAX itself keeps its choice
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["cuda", "false"]
