@@ -74,6 +74,10 @@ class HFEngine:
                              f"HFEngine(..., tokenizer=path_or_tokenizer)")
         flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(n)]
         completions: list[Completion] = []
+        device = self.device  # sampling runs where the logits are (no (B, V) copies)
+        if self.default_generator.device != device:
+            seed = int(self.default_generator.initial_seed())
+            self.default_generator = torch.Generator(device=device).manual_seed(seed)
         for start in range(0, len(flat), self.batch_size):
             chunk = flat[start:start + self.batch_size]
             generators = []
@@ -82,7 +86,7 @@ class HFEngine:
                     generators.append(self.default_generator)
                 else:
                     k = (start + j) % n
-                    g = torch.Generator().manual_seed(sampling.seed + i * n + k)
+                    g = torch.Generator(device=device).manual_seed(sampling.seed + i * n + k)
                     generators.append(g)
             completions += self._generate_batch([p for _, p in chunk], generators, sampling)
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
@@ -109,14 +113,18 @@ class HFEngine:
         finish: list[str | None] = [None] * batch
         stop_window = max((len(s) for s in sampling.stop), default=0) + 2
         for _ in range(sampling.max_tokens):
-            raw = torch.log_softmax(logits.float(), dim=-1).cpu()  # (B, V)
-            nxt = self._sample(logits.float().cpu(), generators, sampling)  # (B,)
+            # on the model's device; only (B,) tokens and log-probs come back to the host
+            # (copying (B, V) logits each step made a 256 x 151,936 batch 17x slower on GPU)
+            logits = logits.float()  # (B, V)
+            nxt = self._sample(logits, generators, sampling)  # (B,)
+            chosen = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]  # (B,)
+            nxt_host, chosen_host = nxt.tolist(), chosen.tolist()
             for i in range(batch):
                 if finish[i] is not None:
                     continue
-                tok = int(nxt[i])
+                tok = nxt_host[i]
                 tokens[i].append(tok)
-                logprobs[i].append(float(raw[i, tok]))
+                logprobs[i].append(chosen_host[i])
                 if tok in self.eos_ids:
                     finish[i] = "stop"
                 elif sampling.stop:
@@ -128,7 +136,7 @@ class HFEngine:
                 break
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)  # (B, T+1)
             positions = positions[:, -1:] + 1  # (B, 1)
-            logits = model(input_ids=nxt[:, None].to(device), attention_mask=mask,
+            logits = model(input_ids=nxt[:, None], attention_mask=mask,
                            position_ids=positions, past_key_values=cache,
                            use_cache=True).logits[:, -1]  # (B, V)
         model.train(was_training)
