@@ -151,10 +151,11 @@ def step_figures(step: RolloutStep) -> dict:
             return float("nan")
         p, y, w = (np.array(x, dtype=float) for x in zip(*preds))
         return brier_skill(p, y, w)
-    return {"effective_ratio": sum(t.mixed for t in trees) / max(len(trees), 1),
+    mixed = sum(t.mixed for t in trees)
+    return {"effective_ratio": mixed / max(len(trees), 1),
             "informative_leaf_share": informative / max(len(leaves), 1),
             "success": sum(leaf.reward for leaf in leaves) / max(len(leaves), 1),
-            "prompts": len(trees), "mixed_prompts": sum(t.mixed for t in trees),
+            "prompts": len(trees), "mixed_prompts": mixed,
             "leaves": step.budget.leaves,
             "generated_tokens": step.budget.generated_tokens,
             "tool_calls": step.budget.tool_calls, "brier_skill": skill(None),
@@ -232,9 +233,8 @@ def main(argv=None) -> dict:
     print(f"\nallocation benchmark: L = {args.roots} x (1 + {args.continuations}) leaves per "
           f"step, {args.candidates} candidates, {args.steps} steps, warm-up {warmup_s:.0f} s")
     cols = ["effective_ratio", "informative_leaf_share", "success", "prompts", "mixed_prompts",
-            "leaves",
-            "generated_tokens", "tool_calls", "brier_skill", "skill_roots", "skill_prefixes",
-            "seconds_per_step"]
+            "leaves", "generated_tokens", "tool_calls", "brier_skill", "skill_roots",
+            "skill_prefixes", "seconds_per_step"]
     print(f"{'allocator':12s}" + "".join(f"{c[:14]:>16s}" for c in cols))
     for kind, r in rows.items():
         print(f"{kind:12s}" + "".join(f"{r[c]:16.3f}" for c in cols))

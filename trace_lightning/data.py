@@ -370,8 +370,7 @@ class TraceDataModule(L.LightningDataModule):
         minis = []
         for e in range(self.ppo_epochs):
             seed = step.epoch * self.ppo_epochs + e  # ppo_epochs=1: the split of earlier runs
-            minis += (split_minibatches(seqs, self.minibatches_per_step, seed=seed) if seqs
-                      else [[] for _ in range(self.minibatches_per_step)])
+            minis += split_minibatches(seqs, self.minibatches_per_step, seed=seed)
         out = []
         for idx in minis:
             mini = [seqs[i] for i in idx]
