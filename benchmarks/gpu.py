@@ -14,14 +14,14 @@ One Qwen3-0.6B-shaped model with random weights (no download), bf16, SDPA attent
    ``pack_microbatches`` into micro-batches of at most ``batch * seq`` padded tokens, about
    ``batch * seq * accum`` real tokens per mini-batch (one optimizer step each, as in plain).
    ``ours`` is the module as it stands (the policy is its own FSDP root, see
-   ``TraceModule.shard_models``). ``ours_tuned``: the
-   root is ``PolicyLogprobs`` (no attention mask for right-padded causal batches, so SDPA can
-   take its flash kernel; LM head on policy rows only) and AdamW is fused.
+   ``TraceModule.shard_models``; no attention mask for its right-padded causal batches, so
+   SDPA can take its flash kernel; fused AdamW on CUDA). ``ours_tuned``: the root is
+   ``PolicyLogprobs`` instead, which also runs the LM head on policy rows only.
    ``ours_fp32_master``: tuned with float32 weights and AdamW state, ``precision="bf16-mixed"``
    (FSDP computes in bf16). ``ours_auto``: the module as it stands under ``strategy="auto"``
    (one device, no FSDP; 3x slower than FSDP in a minimal module, DESIGN.md section 4). With
-   ``--compile``: ``plain_compiled`` / ``ours_tuned_compiled`` (``torch.compile`` of each
-   decoder layer). ``weight_updated_frac``: share of one weight
+   ``--compile``: ``plain_compiled`` / ``ours_compiled`` (``TraceModule(compile_layers=True)``)
+   / ``ours_tuned_compiled`` (``torch.compile`` of each decoder layer). ``weight_updated_frac``: share of one weight
    matrix's entries changed by the timed steps at ``--lr``; bf16 weights drop AdamW updates
    smaller than half their rounding step (about 0.4% of the weight).
 4. ``generation``: ``HFEngine`` (its own KV-cached sampling loop) at batch ``--gen-batch``,
@@ -97,7 +97,7 @@ from trace_lightning.engines.base import SamplingConfig  # noqa: E402
 from trace_lightning.engines.hf_engine import HFEngine  # noqa: E402
 from trace_lightning.loss import (masked_token_logprobs, policy_loss,  # noqa: E402
                                   token_logprobs)
-from trace_lightning.module import TraceModule  # noqa: E402
+from trace_lightning.module import TraceModule, compile_decoder_layers  # noqa: E402
 from trace_lightning.packing import collate, pack_microbatches, padding_share  # noqa: E402
 from trace_lightning.tree import LeafSequence  # noqa: E402
 
@@ -127,12 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gen-new", type=int, default=None, help="new tokens per sequence (128)")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate everywhere")
     p.add_argument("--compile", action="store_true",
-                   help="also time plain and ours_tuned with torch.compile'd decoder layers")
+                   help="also time plain, ours and ours_tuned with torch.compile'd decoder "
+                        "layers")
     p.add_argument("--sections", default="all",
                    help="comma list of: model, padding, logprobs, plain, ours, "
                         "ours_tuned, ours_fp32_master, ours_auto, "
                         "generation, hf_generate, plain_unchunked, plain_compiled, "
-                        "ours_tuned_compiled (the last two need --compile)")
+                        "ours_compiled, ours_tuned_compiled (the last three need --compile)")
     p.add_argument("--budget-s", type=float, default=280.0,
                    help="skip sections that would start after this many seconds")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -380,18 +381,12 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def compile_layers(model) -> None:
-    """Regional compilation: each decoder layer (the same code, compiled once and reused)."""
-    for layer in model.model.layers:
-        layer.compile()
-
-
 def section_plain(s: Setup, path: Path, chunked: bool = True, compiled: bool = False) -> dict:
     a = s.args
     model = load_model(s, path)
     model.train()
     if compiled:
-        compile_layers(model)
+        compile_decoder_layers(model)
     batches = _plain_batches(s, 4)
     n_tokens = float(sum(mb["policy_mask"].sum() for mb in batches[:a.accum]))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=s.cuda)
@@ -483,23 +478,20 @@ class PolicyLogprobs(torch.nn.Module):
 
 
 class FixedTraceModule(TraceModule):
-    """TraceModule with the changes this benchmark proposes for ``module.py``.
+    """TraceModule with the change this benchmark proposes for ``module.py``.
 
-    ``tuned``: the FSDP root is ``PolicyLogprobs`` instead (no attention mask, LM head on policy
-    rows only via ``masked_token_logprobs``) and AdamW is fused on CUDA. ``compile_layers``:
-    ``torch.compile`` each decoder layer before FSDP wraps it.
+    ``tuned``: the FSDP root is ``PolicyLogprobs`` instead (LM head on policy rows only via
+    ``masked_token_logprobs``; the rollout phase would need its forwards routed through it).
     """
 
-    def __init__(self, *args, tuned: bool = False, compile_layers: bool = False, **kwargs):
+    def __init__(self, *args, tuned: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self._tuned, self._compile_layers = tuned, compile_layers
+        self._tuned = tuned
         self.scorer: torch.nn.Module | None = None
 
     def shard_models(self) -> None:
         from torch.distributed.fsdp.wrap import wrap
 
-        if self._compile_layers:
-            compile_layers(self.policy)
         if self._tuned:
             self.scorer = wrap(PolicyLogprobs(self.policy))
         else:
@@ -609,9 +601,9 @@ def section_ours(s: Setup, path: Path, fixed: bool, tuned: bool = False,
     items = synth_minibatches(s, warmup + a.steps, random.Random(a.seed + 4))
     dtype = "float32" if fp32_master else s.dtype_name
     precision = "bf16-mixed" if fp32_master else s.precision
-    kwargs = dict(policy_path=str(path), dtype=dtype, lr=a.lr)
+    kwargs = dict(policy_path=str(path), dtype=dtype, lr=a.lr, compile_layers=compiled)
     if fixed:
-        module = FixedTraceModule(tuned=tuned, compile_layers=compiled, **kwargs)
+        module = FixedTraceModule(tuned=tuned, **kwargs)
     else:
         module = TraceModule(**kwargs)
     timer = _StepTimer(s, warmup)
@@ -759,8 +751,8 @@ def table(results: dict) -> str:
         return "-" if x is None else format(x, spec)
 
     for name in ("plain", "plain_unchunked", "plain_compiled", "ours",
-                 "ours_tuned", "ours_auto",
-                 "ours_fp32_master", "ours_tuned_compiled", "generation", "hf_generate"):
+                 "ours_tuned", "ours_auto", "ours_fp32_master", "ours_compiled",
+                 "ours_tuned_compiled", "generation", "hf_generate"):
         r = results.get(name)
         if r is None:
             continue
@@ -861,6 +853,8 @@ def main(argv: list[str] | None = None) -> dict:
     run("plain_unchunked", lambda: section_plain(s, path, chunked=False))
     run("hf_generate", lambda: section_hf_generate(s, path))
     run("plain_compiled", lambda: section_plain(s, path, compiled=True), needs_compile=True)
+    run("ours_compiled", lambda: section_ours(s, path, fixed=False, compiled=True),
+        needs_compile=True)
     run("ours_tuned_compiled", lambda: section_ours(s, path, fixed=True, tuned=True,
                                                     compiled=True), needs_compile=True)
 
@@ -873,7 +867,8 @@ def main(argv: list[str] | None = None) -> dict:
                      ("ours_fp32_master", "plain"), ("ours_auto", "plain"),
                      ("ours_tuned", "ours"),
                      ("plain", "plain_unchunked"),
-                     ("plain_compiled", "plain"), ("ours_tuned_compiled", "plain")):
+                     ("plain_compiled", "plain"), ("ours_compiled", "plain"),
+                     ("ours_compiled", "plain_compiled"), ("ours_tuned_compiled", "plain")):
         if tps(num) and tps(den):
             ratios[f"{num}/{den}"] = tps(num) / tps(den)
     results["ratios"] = ratios

