@@ -122,13 +122,34 @@ def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path):
     assert float(metrics["val/demo_heldout/questions"]) == 32
 
 
-def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path):
+def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path, monkeypatch):
     # Lightning builds the validation loaders before the first epoch; the rollouts must
-    # still be sampled after that epoch's updates, with freshly synced weights
+    # still be sampled after that epoch's updates, with freshly synced weights.
+    # The engine is awake for every weight load and generate call (rollouts, validation)
+    # and asleep for every training batch: vLLM's sleep mode frees the GPU there (CUDA only;
+    # on this CPU build sleep frees nothing, but the phases are the same calls).
+    from trace_lightning.engines.vllm_engine import VLLMEngine
+    from trace_lightning.module import TraceModule
+
+    seen: dict[str, list[bool]] = {"generate": [], "load_weights": [], "train": []}
+
+    def spy(name, fn, awake):
+        def wrapped(self, *args, **kwargs):
+            seen[name].append(awake(self))
+            return fn(self, *args, **kwargs)
+        monkeypatch.setattr(cls[name], fn.__name__, wrapped)
+
+    cls = {"generate": VLLMEngine, "load_weights": VLLMEngine, "train": TraceModule}
+    spy("generate", VLLMEngine.generate, lambda e: e.awake)
+    spy("load_weights", VLLMEngine.load_weights, lambda e: e.awake)
+    spy("train", TraceModule.training_step, lambda m: m.trainer.datamodule.engine.awake)
     out = cli(["fit", *demo_args(demo_dir, tmp_path, 1)])
     assert out.trainer.global_step == 2  # two mini-batch updates
     assert out.datamodule.last_val_step == 2
     assert out.datamodule.sync_diff < 1e-3
+    assert seen["train"] == [False, False]
+    assert seen["generate"] and all(seen["generate"])
+    assert len(seen["load_weights"]) == 2 and all(seen["load_weights"])  # rollout, validation
 
 
 def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):

@@ -12,6 +12,7 @@ Under several processes every rank computes the same candidates, predictions and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -326,7 +327,29 @@ class TraceDataModule(L.LightningDataModule):
         examples = self.train_examples or next(iter(self.val_examples.values()), [])
         return examples[0].question if examples else "probe"
 
+    @contextlib.contextmanager
+    def _engine_turn(self):
+        """The engine is awake only while it syncs and samples; the trainer gets the
+        accelerator back after each rollout or validation phase (``engine.sleep``)."""
+        self.engine.wake_up()
+        try:
+            yield
+        finally:
+            self.engine.sleep()
+
     def train_dataloader(self) -> DataLoader:
+        with self._engine_turn():
+            step = self._rollout()
+        module = self.trainer.lightning_module
+        module.receive_step(step)
+        epoch, (rank, _) = self.trainer.current_epoch, self._rank
+        if self.trees_dir:
+            write_jsonl(step.trees, Path(self.trees_dir) / f"epoch_{epoch}_rank_{rank}.jsonl")
+        batches = self._batches(step)
+        return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
+
+    def _rollout(self) -> RolloutStep:
+        """This epoch's tree rollouts from the synced engine."""
         module = self.trainer.lightning_module
         self._sync()
         epoch = self.trainer.current_epoch
@@ -348,11 +371,7 @@ class TraceDataModule(L.LightningDataModule):
         if bar is not None:
             bar.close()
         self.last_step = step
-        module.receive_step(step)
-        if self.trees_dir:
-            write_jsonl(step.trees, Path(self.trees_dir) / f"epoch_{epoch}_rank_{rank}.jsonl")
-        batches = self._batches(step)
-        return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
+        return step
 
     def _progress_bar(self, desc: str, total: int):
         """A bar for the rollout phase beside Lightning's (rank 0, when bars are on)."""
@@ -416,13 +435,14 @@ class TraceDataModule(L.LightningDataModule):
     def _val_rows(self, v: EvalSet, mine: list[QAExample]) -> list[dict]:
         """``val_samples`` rollouts at ``val_temperature`` per question of this rank's share
         of ``v``, with the current weights (synced first if the policy changed)."""
-        if self._synced_step != self.trainer.global_step:
-            self._sync()
-        tic = time.perf_counter()
-        sampling = SamplingConfig(temperature=self.val_temperature, top_p=1.0,
-                                  max_tokens=self.sampling.max_tokens, seed=self.seed)
-        trees = sample_trees(self.engine, self._env(v.corpus), mine, n=self.val_samples,
-                             sampling=sampling, seed=self.seed)
+        with self._engine_turn():
+            if self._synced_step != self.trainer.global_step:
+                self._sync()
+            tic = time.perf_counter()
+            sampling = SamplingConfig(temperature=self.val_temperature, top_p=1.0,
+                                      max_tokens=self.sampling.max_tokens, seed=self.seed)
+            trees = sample_trees(self.engine, self._env(v.corpus), mine, n=self.val_samples,
+                                 sampling=sampling, seed=self.seed)
         self.last_val_trees[v.name] = trees
         self.last_val_step = self.trainer.global_step
         self.timings["validation_rollout"] = time.perf_counter() - tic

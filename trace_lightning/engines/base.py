@@ -57,10 +57,13 @@ class RolloutEngine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Free accelerator memory between rollout phases (no-op where unsupported)."""
+        """The trainer's turn: free what the engine holds between its phases (vLLM's sleep
+        mode offloads weights and drops the KV cache on CUDA; a no-op where unsupported).
+        The DataModule calls it after every rollout or validation phase."""
         ...
 
     def wake_up(self) -> None:
+        """The engine's turn: take back what ``sleep`` freed, before any sync or sampling."""
         ...
 
     def close(self) -> None:

@@ -53,6 +53,7 @@ class HFEngine:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.awake = True
         self.default_generator = torch.Generator().manual_seed(seed)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -177,7 +178,8 @@ class HFEngine:
         self.model = None
 
     def sleep(self) -> None:
-        """No-op: the transformers engine keeps its weights where they are."""
+        """Only marks the phase: the transformers engine keeps its weights where they are."""
+        self.awake = False
 
     def wake_up(self) -> None:
-        """No-op."""
+        self.awake = True

@@ -153,6 +153,7 @@ class VLLMEngine:
                                    block_size, enable_chunked_prefill,
                                    max_num_batched_tokens)
         self.max_model_len = max_model_len
+        self.awake = True
 
     def _start(self, model_path, dtype, gpu_memory_utilization, max_model_len,
                enable_prefix_caching, seed, tensor_parallel_size, enforce_eager, kv_bytes,
@@ -249,10 +250,18 @@ class VLLMEngine:
             gc.collect()
 
     def sleep(self) -> None:
-        """Offload weights and drop the KV cache (CUDA with sleep mode); no-op otherwise."""
+        """Offload weights and drop the KV cache (CUDA with sleep mode; the prefix cache is
+        cleared with it); no-op otherwise. ``awake`` says which phase the engine is in."""
+        if not self.awake:
+            return
         if self.sleep_enabled:
             self.llm.sleep(level=1)
+        self.awake = False
 
     def wake_up(self) -> None:
+        """Bring the weights (as they were at ``sleep``) and a fresh KV cache back."""
+        if self.awake:
+            return
         if self.sleep_enabled:
             self.llm.wake_up()
+        self.awake = True
