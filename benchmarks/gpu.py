@@ -15,13 +15,13 @@ One Qwen3-0.6B-shaped model with random weights (no download), bf16, SDPA attent
    ``batch * seq * accum`` real tokens per mini-batch (one optimizer step each, as in plain).
    ``ours`` is the module as it stands (the policy is its own FSDP root, see
    ``TraceModule.shard_models``; no attention mask for its right-padded causal batches, so
-   SDPA can take its flash kernel; fused AdamW on CUDA). ``ours_tuned``: the root is
-   ``PolicyLogprobs`` instead, which also runs the LM head on policy rows only.
-   ``ours_fp32_master``: tuned with float32 weights and AdamW state, ``precision="bf16-mixed"``
+   SDPA can take its flash kernel; the LM head on policy rows only; fused AdamW on CUDA: what
+   the 2026-11-30 H200 runs measured as ``ours_tuned``, now the module's own path).
+   ``ours_fp32_master``: ours with float32 weights and AdamW state, ``precision="bf16-mixed"``
    (FSDP computes in bf16). ``ours_auto``: the module as it stands under ``strategy="auto"``
    (one device, no FSDP; 3x slower than FSDP in a minimal module, DESIGN.md section 4). With
    ``--compile``: ``plain_compiled`` / ``ours_compiled`` (``TraceModule(compile_layers=True)``)
-   / ``ours_tuned_compiled`` (``torch.compile`` of each decoder layer). ``weight_updated_frac``: share of one weight
+   (``torch.compile`` of each decoder layer). ``weight_updated_frac``: share of one weight
    matrix's entries changed by the timed steps at ``--lr``; bf16 weights drop AdamW updates
    smaller than half their rounding step (about 0.4% of the weight).
 4. ``generation``: ``HFEngine`` (its own KV-cached sampling loop) at batch ``--gen-batch``,
@@ -127,13 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gen-new", type=int, default=None, help="new tokens per sequence (128)")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate everywhere")
     p.add_argument("--compile", action="store_true",
-                   help="also time plain, ours and ours_tuned with torch.compile'd decoder "
-                        "layers")
+                   help="also time plain and ours with torch.compile'd decoder layers")
     p.add_argument("--sections", default="all",
                    help="comma list of: model, padding, logprobs, plain, ours, "
-                        "ours_tuned, ours_fp32_master, ours_auto, "
+                        "ours_fp32_master, ours_auto, "
                         "generation, hf_generate, plain_unchunked, plain_compiled, "
-                        "ours_compiled, ours_tuned_compiled (the last three need --compile)")
+                        "ours_compiled (the last two need --compile)")
     p.add_argument("--budget-s", type=float, default=280.0,
                    help="skip sections that would start after this many seconds")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -456,71 +455,6 @@ def _updated_frac(before: torch.Tensor | None, model) -> float | None:
     return float((after != before).float().mean())
 
 
-class PolicyLogprobs(torch.nn.Module):
-    """The policy and its masked LM head in one forward: the FSDP root of the tuned path.
-
-    Under FSDP1 the LM head must run inside the root's forward: once that forward returns,
-    the root's parameters point back at their sharded (and, with mixed precision, float32)
-    storage, so ``policy.lm_head`` called afterwards sees the wrong shard or dtype.
-    """
-
-    def __init__(self, policy):
-        super().__init__()
-        self.policy = policy
-
-    def forward(self, input_ids: torch.Tensor, policy_mask: torch.Tensor,
-                with_entropy: bool = False):
-        # No attention mask: batches are right-padded and attention is causal, so real tokens
-        # never see padding; without a mask SDPA can take its flash kernel.
-        hidden = self.policy.model(input_ids=input_ids, use_cache=False).last_hidden_state
-        return masked_token_logprobs(hidden, self.policy.lm_head, input_ids, policy_mask,
-                                     with_entropy=with_entropy)  # (B, T) each
-
-
-class FixedTraceModule(TraceModule):
-    """TraceModule with the change this benchmark proposes for ``module.py``.
-
-    ``tuned``: the FSDP root is ``PolicyLogprobs`` instead (LM head on policy rows only via
-    ``masked_token_logprobs``; the rollout phase would need its forwards routed through it).
-    """
-
-    def __init__(self, *args, tuned: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._tuned = tuned
-        self.scorer: torch.nn.Module | None = None
-
-    def shard_models(self) -> None:
-        from torch.distributed.fsdp.wrap import wrap
-
-        if self._tuned:
-            self.scorer = wrap(PolicyLogprobs(self.policy))
-        else:
-            super().shard_models()
-
-    def clip_policy_gradients(self, max_norm: float) -> float:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        root = self.scorer if self._tuned else self.policy
-        if isinstance(root, FSDP):
-            return float(root.clip_grad_norm_(max_norm))
-        return super().clip_policy_gradients(max_norm)
-
-    def configure_optimizers(self):
-        if not self._tuned:
-            return super().configure_optimizers()
-        h = self.hparams
-        fused = next(self.policy.parameters()).is_cuda
-        policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=h.lr, fused=fused,
-                                       weight_decay=h.weight_decay, betas=tuple(h.betas))
-        predictor_opt = torch.optim.AdamW(self.predictor.parameters(), lr=h.predictor_lr)
-        return [policy_opt, predictor_opt]
-
-    def _logprobs(self, model, mb: dict, with_entropy: bool = False):
-        if self._tuned and model is self.policy:
-            return self.scorer(mb["input_ids"], mb["policy_mask"], with_entropy)
-        return TraceModule._logprobs(model, mb, with_entropy=with_entropy)
-
-
 def _fsdp_strategy(s: Setup):
     """Lightning's FSDPStrategy on CUDA; on CPU (--tiny) the same FSDP1 code over gloo."""
     from lightning.pytorch.strategies import FSDPStrategy
@@ -594,18 +528,15 @@ class _StepTimer(L.Callback):
         self.graphs = compiled_graphs() - self.graphs0
 
 
-def section_ours(s: Setup, path: Path, fixed: bool, tuned: bool = False,
-                 fp32_master: bool = False, compiled: bool = False, fsdp: bool = True) -> dict:
+def section_ours(s: Setup, path: Path, fp32_master: bool = False, compiled: bool = False,
+                 fsdp: bool = True) -> dict:
     a = s.args
     warmup = a.warmup + (2 if compiled else 0)
     items = synth_minibatches(s, warmup + a.steps, random.Random(a.seed + 4))
     dtype = "float32" if fp32_master else s.dtype_name
     precision = "bf16-mixed" if fp32_master else s.precision
     kwargs = dict(policy_path=str(path), dtype=dtype, lr=a.lr, compile_layers=compiled)
-    if fixed:
-        module = FixedTraceModule(tuned=tuned, **kwargs)
-    else:
-        module = TraceModule(**kwargs)
+    module = TraceModule(**kwargs)
     timer = _StepTimer(s, warmup)
     if fsdp:
         strategy, accelerator = _fsdp_strategy(s)
@@ -633,8 +564,7 @@ def section_ours(s: Setup, path: Path, fixed: bool, tuned: bool = False,
            "weight_updated_frac": timer.updated_frac, "attn_implementation": timer.attn,
            "precision": precision, "dtype": dtype,
            "strategy": type(trainer.strategy).__name__,
-           "fsdp_root": type(module.scorer if tuned else module.policy).__name__,
-           "fixed": fixed, "tuned": tuned, "compiled": compiled,
+           "fsdp_root": type(module.policy).__name__, "compiled": compiled,
            "graphs_compiled_while_timed": timer.graphs}
     del trainer, module, loader, items, timer
     s.free()
@@ -751,8 +681,8 @@ def table(results: dict) -> str:
         return "-" if x is None else format(x, spec)
 
     for name in ("plain", "plain_unchunked", "plain_compiled", "ours",
-                 "ours_tuned", "ours_auto", "ours_fp32_master", "ours_compiled",
-                 "ours_tuned_compiled", "generation", "hf_generate"):
+                 "ours_auto", "ours_fp32_master", "ours_compiled", "generation",
+                 "hf_generate"):
         r = results.get(name)
         if r is None:
             continue
@@ -844,31 +774,23 @@ def main(argv: list[str] | None = None) -> dict:
     run("padding", lambda: section_padding(s))
     run("logprobs", lambda: section_logprobs(s))
     run("plain", lambda: section_plain(s, path))
-    run("ours", lambda: section_ours(s, path, fixed=False))
-    run("ours_tuned", lambda: section_ours(s, path, fixed=True, tuned=True))
+    run("ours", lambda: section_ours(s, path))
     run("generation", lambda: section_generation(s, path))
-    run("ours_fp32_master", lambda: section_ours(s, path, fixed=True, tuned=True,
-                                                 fp32_master=True))
-    run("ours_auto", lambda: section_ours(s, path, fixed=False, fsdp=False))
+    run("ours_fp32_master", lambda: section_ours(s, path, fp32_master=True))
+    run("ours_auto", lambda: section_ours(s, path, fsdp=False))
     run("plain_unchunked", lambda: section_plain(s, path, chunked=False))
     run("hf_generate", lambda: section_hf_generate(s, path))
     run("plain_compiled", lambda: section_plain(s, path, compiled=True), needs_compile=True)
-    run("ours_compiled", lambda: section_ours(s, path, fixed=False, compiled=True),
-        needs_compile=True)
-    run("ours_tuned_compiled", lambda: section_ours(s, path, fixed=True, tuned=True,
-                                                    compiled=True), needs_compile=True)
+    run("ours_compiled", lambda: section_ours(s, path, compiled=True), needs_compile=True)
 
     def tps(name: str) -> float | None:
         r = results.get(name) or {}
         return r.get("tokens_per_s")
 
     ratios = {}
-    for num, den in (("ours", "plain"), ("ours_tuned", "plain"),
-                     ("ours_fp32_master", "plain"), ("ours_auto", "plain"),
-                     ("ours_tuned", "ours"),
-                     ("plain", "plain_unchunked"),
-                     ("plain_compiled", "plain"), ("ours_compiled", "plain"),
-                     ("ours_compiled", "plain_compiled"), ("ours_tuned_compiled", "plain")):
+    for num, den in (("ours", "plain"), ("ours_fp32_master", "plain"), ("ours_auto", "plain"),
+                     ("plain", "plain_unchunked"), ("plain_compiled", "plain"),
+                     ("ours_compiled", "plain"), ("ours_compiled", "plain_compiled")):
         if tps(num) and tps(den):
             ratios[f"{num}/{den}"] = tps(num) / tps(den)
     results["ratios"] = ratios

@@ -46,8 +46,9 @@ def leaf(rng: random.Random, n: int, k: int, idx: int) -> LeafSequence:
 
 
 def test_logprobs_of_right_padded_batch_equal_each_sequence_alone(policy_dir, monkeypatch):
-    """Without an attention mask, every real token of a right-padded micro-batch gets the
-    log-prob (and entropy) it gets alone, and attention runs as plain causal SDPA (the
+    """Without an attention mask, every policy token of a right-padded micro-batch gets the
+    log-prob (and entropy) it gets alone; every other position is 0, and the LM head saw
+    only the rows that predict policy tokens. Attention runs as plain causal SDPA (the
     flash-eligible call: no mask tensor)."""
     rng = random.Random(0)
     seqs = [leaf(rng, n, 3, i) for i, n in enumerate((12, 7, 4))]
@@ -61,16 +62,53 @@ def test_logprobs_of_right_padded_batch_equal_each_sequence_alone(policy_dir, mo
         return sdpa(*args, **kwargs)
 
     policy = load(policy_dir)
+    head_rows = []
+    policy.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(out.shape[0]))
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     logp, ent = TraceModule._logprobs(policy, mb, with_entropy=True)  # (B, T) each
     monkeypatch.undo()
     assert calls and all(mask is None and causal for mask, causal in calls)
+    n_policy = int(mb["policy_mask"].sum())
+    assert head_rows == [n_policy] and n_policy < mb["attention_mask"].sum()
+    pm = mb["policy_mask"].bool()
+    assert not logp[~pm].any() and not ent[~pm].any()
+    policy.lm_head._forward_hooks.clear()
     for i, s in enumerate(seqs):
         ids = torch.tensor([s.input_ids])
         want, want_ent = token_logprobs(policy(input_ids=ids).logits, ids, with_entropy=True)
         n = len(s.input_ids)
-        torch.testing.assert_close(logp[i, :n], want[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ent[i, :n], want_ent[0], rtol=1e-5, atol=1e-5)
+        m = pm[i, :n]
+        assert m.any()
+        torch.testing.assert_close(logp[i, :n][m], want[0][m], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent[i, :n][m], want_ent[0][m], rtol=1e-5, atol=1e-5)
+
+
+def test_logprobs_gradients_equal_the_full_head(policy_dir):
+    """A loss over policy tokens has the same gradient for every parameter whether the LM
+    head ran on all rows or on the policy rows only; a micro-batch without policy tokens
+    (the all-masked filler that keeps ranks in step) still backpropagates, with zero
+    gradients."""
+    rng = random.Random(4)
+    mb = collate([leaf(rng, n, 3, i) for i, n in enumerate((13, 8, 5))], pad_id=0)
+    up = torch.randn(mb["input_ids"].shape, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for rows_only in (False, True):
+        policy = load(policy_dir)
+        if rows_only:
+            logp, _ = TraceModule._logprobs(policy, mb)
+        else:
+            logp, _ = token_logprobs(policy(input_ids=mb["input_ids"]).logits, mb["input_ids"])
+        (logp * up * mb["policy_mask"]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6,
+                                   msg=name)
+    empty = dict(mb, policy_mask=torch.zeros_like(mb["policy_mask"]))
+    policy = load(policy_dir)
+    logp, _ = TraceModule._logprobs(policy, empty)
+    assert not logp.any()
+    (logp * up).sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in policy.parameters())
 
 
 def _minibatch(seed: int, advantage_nan: bool = False) -> dict:

@@ -209,16 +209,24 @@ def masked_token_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
     Returns:
         ``logp (B, T)`` float32 and ``entropy (B, T)`` or ``None``, 0 off the mask.
     """
-    sel = mask[:, 1:].bool()  # (B, T-1): position s predicts token s + 1
-    rows = hidden[:, :-1][sel]  # (M, H)
-    lp, ent = row_logprobs(head(rows), input_ids[:, 1:][sel], with_entropy=with_entropy,
-                           temperature=temperature, chunk_elements=chunk_elements)  # (M,)
-    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device)  # (B, T-1)
-    logp = F.pad(zeros.masked_scatter(sel, lp), (1, 0))  # (B, T)
-    entropy = None
-    if ent is not None:
-        entropy = F.pad(zeros.masked_scatter(sel, ent), (1, 0))  # (B, T)
-    return logp, entropy
+    sel = predicting_rows(mask)  # (B, T-1)
+    lp, ent = row_logprobs(head(hidden[:, :-1][sel]), input_ids[:, 1:][sel],
+                           with_entropy=with_entropy, temperature=temperature,
+                           chunk_elements=chunk_elements)  # (M,) each
+    return rows_to_tokens(lp, sel), (rows_to_tokens(ent, sel) if ent is not None else None)
+
+
+def predicting_rows(mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T-1)`` bool: position ``s`` is selected when its next token (``s + 1``) is a
+    mask token, i.e. the rows of hidden states whose logits ``masked_token_logprobs`` needs."""
+    return mask[:, 1:].bool()
+
+
+def rows_to_tokens(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """Per-row values ``(M,)`` of the ``sel`` rows back to ``(B, T)`` aligned with
+    ``input_ids`` (row ``s`` is token ``s + 1``'s), 0 elsewhere (position 0 included)."""
+    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=values.device)  # (B, T-1)
+    return F.pad(zeros.masked_scatter(sel, values), (1, 0))  # (B, T)
 
 
 def _agg(values: torch.Tensor, mask: torch.Tensor, loss_agg: str,

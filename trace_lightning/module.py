@@ -23,7 +23,7 @@ from trace_lightning.advantage import AdvantageKind
 from trace_lightning.collect import RolloutStep
 from trace_lightning.engines.sync import sync_weights
 from trace_lightning.history import PromptHistory
-from trace_lightning.loss import policy_loss, token_logprobs
+from trace_lightning.loss import policy_loss, predicting_rows, row_logprobs, rows_to_tokens
 from trace_lightning.predictor import (Featuriser, ReplayBuffer, SuccessPredictor,
                                        fit_predictor, predict_nodes, training_batch)
 from trace_lightning.tree import RolloutTree
@@ -266,15 +266,28 @@ class TraceModule(L.LightningModule):
 
     @staticmethod
     def _logprobs(model, mb: dict, with_entropy: bool = False):
-        """Token log-probs (and entropies) of a collated micro-batch, ``(B, T)`` each.
+        """Token log-probs (and entropies) of a collated micro-batch, ``(B, T)`` each, on its
+        policy tokens (0 elsewhere: the loss reads nothing else).
 
-        No attention mask: ``collate`` right-pads and attention is causal, so a real token
-        never attends to padding and its positions are unchanged; padded positions are
-        masked out of the loss. Without a mask SDPA takes its fused causal (flash) kernel
-        instead of a masked one (on the H200 this was most of a 1.33x training step).
+        - No attention mask: ``collate`` right-pads and attention is causal, so a real token
+          never attends to padding and its positions are unchanged. Without a mask SDPA
+          takes its fused causal (flash) kernel instead of a masked one.
+        - The LM head runs only on the rows that predict a policy token (a pre-hook on the
+          output embedding hands it those rows), so the ``(B, T, V)`` logits and their
+          gradient are never built; prompt and observation tokens are often most of a
+          search agent's sequence. The head runs inside the model's own forward, where an
+          FSDP root has its parameters gathered and in the compute dtype.
         """
-        out = model(input_ids=mb["input_ids"], use_cache=False)
-        return token_logprobs(out.logits, mb["input_ids"], with_entropy=with_entropy)
+        ids = mb["input_ids"]  # (B, T)
+        sel = predicting_rows(mb["policy_mask"])  # (B, T-1)
+        head = model.get_output_embeddings()
+        hook = head.register_forward_pre_hook(lambda _, args: (args[0][:, :-1][sel],))
+        try:
+            logits = model(input_ids=ids, use_cache=False).logits  # (M, V): policy rows
+        finally:
+            hook.remove()
+        lp, ent = row_logprobs(logits, ids[:, 1:][sel], with_entropy=with_entropy)  # (M,)
+        return rows_to_tokens(lp, sel), (rows_to_tokens(ent, sel) if ent is not None else None)
 
     # ---- validation: the DataModule ran the agent; metrics come from the callbacks ------
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
