@@ -160,6 +160,25 @@ def test_training_step_logs_minibatch_statistics(policy_dir):
     assert got["train/entropy"] > 0
 
 
+def test_kl_to_the_reference_is_zero_until_the_policy_moves(policy_dir):
+    """With kl_coef > 0 a frozen copy of the initial policy scores the same rows: the k3 KL
+    is exactly 0 on the first mini-batch and positive once an update has moved the policy."""
+    kl = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            kl.append(float(trainer.callback_metrics["train/kl_ref"]))
+
+    module = TraceModule(policy_path=str(policy_dir), lr=1e-2, kl_coef=0.1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[Record()])
+    trainer.fit(module, train_dataloaders=DataLoader([_minibatch(1), _minibatch(3)],
+                                                     batch_size=None))
+    assert kl[0] == 0.0 and kl[1] > 1e-6
+
+
 def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
     """A NaN in one micro-batch raises a clear error and leaves every weight unchanged."""
     batch = _minibatch(2, advantage_nan=True)
