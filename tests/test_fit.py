@@ -131,11 +131,12 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     from trace_lightning.engines.vllm_engine import VLLMEngine
     from trace_lightning.module import TraceModule
 
-    seen: dict[str, list[bool]] = {"generate": [], "load_weights": [], "train": []}
+    seen: dict[str, list] = {"generate": [], "load_weights": [], "train": [], "threads": []}
 
     def spy(name, fn, awake):
         def wrapped(self, *args, **kwargs):
             seen[name].append(awake(self))
+            seen["threads"].append((name, torch.get_num_threads()))
             return fn(self, *args, **kwargs)
         monkeypatch.setattr(cls[name], fn.__name__, wrapped)
 
@@ -143,11 +144,23 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     spy("generate", VLLMEngine.generate, lambda e: e.awake)
     spy("load_weights", VLLMEngine.load_weights, lambda e: e.awake)
     spy("train", TraceModule.training_step, lambda m: m.trainer.datamodule.engine.awake)
-    out = cli(["fit", *demo_args(demo_dir, tmp_path, 1)])
+    # the process's own torch threads (vLLM may have replaced torch.set_num_threads already)
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(2)
+    try:
+        out = cli(["fit", *demo_args(demo_dir, tmp_path, 1)])
+        after = torch.get_num_threads()
+    finally:
+        torch._C.set_num_threads(before)
     assert out.trainer.global_step == 2  # two mini-batch updates
     assert out.datamodule.last_val_step == 2
     assert out.datamodule.sync_diff < 1e-3
     assert seen["train"] == [False, False]
+    # on CPU the engine samples on one thread and training gets the process's two back;
+    # closing the engine leaves them with the process
+    assert {n for name, n in seen["threads"] if name == "train"} == {2}
+    assert {n for name, n in seen["threads"] if name != "train"} == {1}
+    assert after == 2
     assert seen["generate"] and all(seen["generate"])
     assert len(seen["load_weights"]) == 2 and all(seen["load_weights"])  # rollout, validation
 
