@@ -281,6 +281,9 @@ class TraceModule(L.LightningModule):
         ids = mb["input_ids"]  # (B, T)
         sel = predicting_rows(mb["policy_mask"])  # (B, T-1)
         head = model.get_output_embeddings()
+        if head is None:
+            raise TypeError(f"{type(model).__name__} has no output embedding (LM head) to run "
+                            f"on policy rows; --model.policy_path must be a causal LM with one")
         hook = head.register_forward_pre_hook(lambda _, args: (args[0][:, :-1][sel],))
         try:
             logits = model(input_ids=ids, use_cache=False).logits  # (M, V): policy rows
