@@ -206,3 +206,34 @@ def test_close_releases_the_vllm_engine_memory(model_dir, prompts):
     out = again.generate(prompts[:1], SamplingConfig(temperature=0.0, max_tokens=4))
     assert len(out[0][0].token_ids) > 0
     again.close()
+
+
+def test_inverse_cdf_sampling_frequencies_and_edges():
+    """Token j is drawn with probability p_j / sum(p) (unnormalised weights), weight-0 tokens
+    never, whatever u in [0, 1): 0 gives the first token with weight, the largest float32
+    below 1 the last."""
+    from trace_lightning.engines.hf_engine import inverse_cdf
+
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0],
+                            [5.0, 0.0, 0.0, 0.0, 0.0, 3.0]])  # (2, 6), row sums 4 and 8
+    n = 40_000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    for b, want in enumerate(([0, 0.5, 0, 0.25, 0.25, 0], [0.625, 0, 0, 0, 0, 0.375])):
+        idx = inverse_cdf(weights[b].expand(n, -1), u)  # (n,)
+        freq = torch.bincount(idx, minlength=6).double() / n
+        sigma = (torch.tensor(want) * (1 - torch.tensor(want)) / n).sqrt()
+        assert ((freq - torch.tensor(want)).abs() <= 5 * sigma + 1e-12).all(), (b, freq)
+    edges = torch.tensor([0.0, 1.0 - 2.0 ** -24])
+    assert inverse_cdf(weights[:1].expand(2, -1), edges).tolist() == [1, 4]
+    assert inverse_cdf(weights[1:].expand(2, -1), edges).tolist() == [0, 5]
+
+
+def test_hf_engine_samples_do_not_depend_on_the_batch(hf_engine, prompts):
+    """Sample k of prompt i comes from its own generator (seed + i * n + k): generated with
+    the other prompts or alone, it is the same completion."""
+    sampling = SamplingConfig(temperature=1.0, max_tokens=12, seed=11)
+    together = hf_engine.generate(prompts, sampling, n=2)  # two prompts of other lengths
+    alone = hf_engine.generate(prompts[1:], SamplingConfig(temperature=1.0, max_tokens=12,
+                                                           seed=11 + 1 * 2), n=2)
+    assert [c.token_ids for c in together[1]] == [c.token_ids for c in alone[0]]
+    assert together[1][0].token_ids != together[1][1].token_ids
