@@ -144,8 +144,8 @@ class VLLMEngine:
         self.on_cpu = current_platform.is_cpu()
         self.engine_threads = cpu_threads if self.on_cpu else None
         self.trainer_threads = torch.get_num_threads()
-        if self.engine_threads is not None:
-            torch.set_num_threads(self.engine_threads)
+        if self.engine_threads is not None:  # not torch.set_num_threads: an engine started
+            torch._C.set_num_threads(self.engine_threads)  # before made that a no-op
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         kv_bytes = None if kv_cache_memory_gb is None else int(kv_cache_memory_gb * 2**30)
         if enable_chunked_prefill is None and self.on_cpu:
