@@ -3,8 +3,10 @@
 One epoch is one RL iteration (``reload_dataloaders_every_n_epochs=1``): ``train_dataloader``
 syncs the policy's weights into the engine (checked), lets the allocator spend the step's
 budget over candidate prompts and prefixes, grows the trees, and serves the flattened leaves
-as token-packed micro-batches. ``val_dataloader`` runs the agent greedily on each validation
-set and serves the finished trajectories for the QA metrics.
+as token-packed micro-batches. ``val_dataloader`` runs the agent on each validation set and
+serves the finished trajectories for the QA metrics. The engine is awake only for those
+phases: after each one ``engine.sleep()`` hands the trainer its GPU memory (vLLM sleep mode)
+or its CPU threads.
 
 Under several processes every rank computes the same candidates, predictions and root plan
 (the allocator's budget is global) and rolls out its share of the chosen prompts.
