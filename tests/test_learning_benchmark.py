@@ -1,0 +1,50 @@
+"""benchmarks/learning.py: the budget-to-target and paired-seed statistics."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_budget_to_reach_is_the_first_evaluation_at_the_target(bench):
+    # 100 leaves per epoch; 0.45 is first reached after epoch 3 (300 leaves), not at the
+    # later and higher 0.47
+    assert bench.budget_to_reach([0.40, 0.44, 0.45, 0.43, 0.47], [100] * 5, 0.45) == 300.0
+    assert bench.budget_to_reach([0.40, 0.44], [100] * 2, 0.45) is None
+
+
+def test_budget_on_curve_interpolates_between_evaluations(bench):
+    # curve (0, 0.40), (100, 0.42), (200, 0.46): 0.45 lies 3/4 of the way from 0.42 to 0.46,
+    # so 100 + 0.75 * 100 = 175 leaves
+    assert bench.budget_on_curve(0.40, [0.42, 0.46], [100, 100], 0.45) == pytest.approx(175.0)
+    # a first crossing counts even if the curve dips below later
+    assert bench.budget_on_curve(0.40, [0.50, 0.30], [100, 100], 0.45) == pytest.approx(50.0)
+    # already there before any training; never there
+    assert bench.budget_on_curve(0.45, [0.40], [100], 0.45) == 0.0
+    assert bench.budget_on_curve(0.40, [0.42, 0.44], [100, 100], 0.45) is None
+
+
+def test_paired_differences_by_hand(bench):
+    # differences 0.02, -0.01, 0.05: mean 0.02; deviations 0, -0.03, 0.03, so the sample
+    # variance is (0.0009 + 0.0009) / 2 = 0.0009, sd 0.03, standard error 0.03 / sqrt(3)
+    p = bench.paired([0.47, 0.44, 0.50], [0.45, 0.45, 0.45])
+    assert p["diff_per_seed"] == pytest.approx([0.02, -0.01, 0.05])
+    assert p["mean"] == pytest.approx(0.02)
+    assert p["se"] == pytest.approx(0.03 / math.sqrt(3))
+    assert (p["ahead"], p["seeds"]) == (2, 3)
+    # a tie is not ahead; one seed has no standard error
+    one = bench.paired([0.45], [0.45])
+    assert (one["ahead"], one["se"]) == (0, None)
