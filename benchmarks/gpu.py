@@ -458,33 +458,11 @@ def _updated_frac(before: torch.Tensor | None, model) -> float | None:
 def _fsdp_strategy(s: Setup):
     """Lightning's FSDPStrategy on CUDA; on CPU (--tiny) the same FSDP1 code over gloo."""
     from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from trace_lightning.strategies import CPUFSDPStrategy
 
     if s.cuda:
         return FSDPStrategy(auto_wrap_policy={Qwen3DecoderLayer}), "cuda"
-
-    class CPUFSDPStrategy(FSDPStrategy):
-        """FSDP1 on CPU: Lightning refuses ``FSDPStrategy`` on CPU only by exact type, and FSDP
-        needs ``device_id=cpu`` there (Lightning passes the device index, None on CPU)."""
-
-        def _fsdp_kwargs(self) -> dict:
-            return dict(cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
-                        sharding_strategy=self.sharding_strategy,
-                        device_id=torch.device("cpu"), **self.kwargs)
-
-        def _setup_model(self, model):
-            if any(isinstance(m, FSDP) for m in model.modules()):
-                self.kwargs.pop("auto_wrap_policy", None)
-                return model
-            return FSDP(module=model, **self._fsdp_kwargs())
-
-        @contextlib.contextmanager
-        def model_sharded_context(self):
-            from torch.distributed.fsdp.wrap import enable_wrap
-
-            with enable_wrap(wrapper_cls=FSDP, **self._fsdp_kwargs()):
-                yield
-
     return CPUFSDPStrategy(auto_wrap_policy={Qwen3DecoderLayer}), "cpu"
 
 
