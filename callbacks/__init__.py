@@ -1,4 +1,4 @@
-"""Monitoring callbacks for TRACE runs (TensorBoard).
+"""Callbacks for TRACE runs: monitoring (TensorBoard) and the policy's export.
 
 Enable them in a LightningCLI config::
 
@@ -12,16 +12,18 @@ Enable them in a LightningCLI config::
         - class_path: callbacks.PredictorCalibration
         - class_path: callbacks.TreeSamples
         - class_path: callbacks.Throughput
+        - class_path: callbacks.ExportPolicy   # the policy as a Hugging Face directory
 
 Every key they log is listed in ``callbacks/METRICS.md``.
 """
 
 from callbacks.allocation_spread import AllocationSpread
+from callbacks.export_policy import ExportPolicy
 from callbacks.predictor_calibration import PredictorCalibration
 from callbacks.qa_accuracy import QAAccuracy
 from callbacks.reward_variance import RewardVariance
 from callbacks.throughput import Throughput
 from callbacks.tree_samples import TreeSamples
 
-__all__ = ["AllocationSpread", "PredictorCalibration", "QAAccuracy", "RewardVariance",
-           "Throughput", "TreeSamples"]
+__all__ = ["AllocationSpread", "ExportPolicy", "PredictorCalibration", "QAAccuracy",
+           "RewardVariance", "Throughput", "TreeSamples"]

@@ -114,6 +114,37 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
         assert n.policy_mask == [1] * k + [0] * (len(n.token_ids) - k)
 
 
+def test_fit_exports_the_trained_policy_for_transformers(demo_dir, tmp_path):
+    """demo.yaml's ExportPolicy writes <log_dir>/policy/last when training ends: the weights
+    of the final checkpoint (not the initial ones), loadable by transformers; and
+    ``trace-lightning-export`` turns that checkpoint into the same directory."""
+    from transformers import AutoModelForCausalLM
+
+    from trace_lightning.export import main as export_main
+
+    # this small world's policy rarely succeeds (zero advantages); weight decay moves every
+    # weight anyway, so the export must be of the trained weights, not the initial ones
+    main(["fit", *demo_args(demo_dir, tmp_path, 1, "--model.lr=1e-3",
+                            "--model.weight_decay=0.1")])
+    run = tmp_path / "tensorboard" / "version_0"
+    exported = AutoModelForCausalLM.from_pretrained(run / "policy" / "last").state_dict()
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    trained = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items()
+               if k.startswith("policy.")}
+    initial = AutoModelForCausalLM.from_pretrained(demo_dir / "model").state_dict()
+    assert set(exported) == set(trained) == set(initial)
+    for name in trained:
+        torch.testing.assert_close(exported[name], trained[name], atol=0, rtol=0)
+    assert any(not torch.equal(trained[n], initial[n]) for n in trained)
+    meta = json.loads((run / "policy" / "last" / "trace_lightning.json").read_text())
+    assert (meta["epochs"], meta["global_step"]) == (1, 2)  # 1 epoch of 2 mini-batches
+
+    export_main([str(run / "checkpoints" / "last.ckpt"), str(tmp_path / "converted")])
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").state_dict()
+    for name in trained:
+        torch.testing.assert_close(converted[name], trained[name], atol=0, rtol=0)
+
+
 def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path):
     out = cli(["validate", *demo_args(demo_dir, tmp_path, 1)])
     metrics = out.trainer.callback_metrics
@@ -272,6 +303,45 @@ def test_validate_on_real_hotpotqa_dev(hotpot_policy, shared_data, tmp_path):
     trees = out.datamodule.last_val_trees["hotpotqa"]
     assert [t.question for t in trees][:1] and all(t.answers for t in trees)
     assert all(len(t.leaves()) == 1 for t in trees)
+
+
+def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp_path):
+    """The GPU configs' sharded path on two CPU processes (CPUFSDPStrategy, gloo): the
+    policy trains as FSDP shards, each rank's engine gets the gathered weights (checked),
+    Lightning writes a sharded checkpoint, ExportPolicy writes the gathered policy on rank 0,
+    and ``trace-lightning-export`` reads the sharded checkpoint into the same weights."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from trace_lightning.export import export_checkpoint
+
+    strategy = {"class_path": "trace_lightning.strategies.CPUFSDPStrategy",
+                "init_args": {"auto_wrap_policy": [
+                    "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer"],
+                    "state_dict_type": "sharded"}}
+    args = demo_args(demo_dir, tmp_path, 1, "--trainer.devices=2",
+                     f"--trainer.strategy={json.dumps(strategy)}", "--model.weight_decay=0.1")
+    script = Path(sys.executable).parent / "trace-lightning"
+    proc = subprocess.run([str(script), "fit", *args], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FullyShardedDataParallel" in proc.stdout + proc.stderr  # the policy's wrapper
+    run = tmp_path / "tensorboard" / "version_0"
+    assert max(scalars(tmp_path)["perf/sync_logprob_diff"]) < 1e-3
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir() and (ckpt / "meta.pt").exists() and len(list(ckpt.glob("*.distcp"))) == 2
+
+    exported = AutoModelForCausalLM.from_pretrained(run / "policy" / "last").state_dict()
+    converted = AutoModelForCausalLM.from_pretrained(
+        export_checkpoint(ckpt, tmp_path / "converted")).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(demo_dir / "model").state_dict()
+    assert set(exported) == set(converted) == set(initial)
+    for name in initial:
+        torch.testing.assert_close(exported[name], converted[name], atol=0, rtol=0)
+        assert not torch.equal(exported[name], initial[name]), name  # trained: decayed
 
 
 def test_two_process_ddp_fit_shares_one_global_budget(demo_dir, tmp_path):

@@ -40,16 +40,27 @@ def _is_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
-def policy_weights(policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's full weights, HF-named, gathered from shards if the model is FSDP."""
+def policy_weights(policy: nn.Module,
+                   rank0_cpu: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's full weights, HF-named, gathered from shards if the model is FSDP.
+
+    Every rank gets them where they live (each feeds its own engine); ``rank0_cpu``: only
+    rank 0 gets them, on the CPU (other ranks none), for writing them out. Under FSDP every
+    rank must call this either way: the gather is collective."""
     if isinstance(policy, DistributedDataParallel):
         policy = policy.module
     if dist.is_initialized() and _is_sharded(policy):
-        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+        # on CUDA the gather lands on rank 0's CPU alone; on CPU processes every rank
+        # gathers (FSDP1's CPU offload of CPU tensors segfaulted there: torch 2.13, gloo)
+        offload = rank0_cpu and next(policy.parameters()).is_cuda
+        state = get_model_state_dict(
+            policy, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
     else:
         state = policy.state_dict()
+    if rank0_cpu and dist.is_initialized() and dist.get_rank() != 0:
+        state = {}
     for name, tensor in state.items():
-        yield name, tensor.detach()
+        yield name, tensor.detach().cpu() if rank0_cpu else tensor.detach()
 
 
 @torch.no_grad()

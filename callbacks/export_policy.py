@@ -1,0 +1,63 @@
+"""ExportPolicy: the trained policy as a Hugging Face directory, written during the run.
+
+``<dirpath>/last`` when training ends, and ``<dirpath>/epoch_<E>`` every ``every_n_epochs``
+epochs: config, safetensors weights, tokenizer and ``trace_lightning.json`` (epochs trained, optimizer steps),
+ready for ``AutoModelForCausalLM.from_pretrained`` or ``vllm serve``. Under FSDP the shards
+are gathered onto rank 0's CPU, which alone writes; every rank takes part in the gather.
+For a checkpoint after the fact, ``trace-lightning-export`` (``trace_lightning/export.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+from trace_lightning.engines.sync import policy_weights
+from trace_lightning.export import save_policy
+
+
+class ExportPolicy(pl.Callback):
+    """Write the policy with ``save_pretrained`` at the end of training (and every n epochs).
+
+    Args:
+        dirpath: where the exports go (default: ``<log_dir>/policy``, beside the logger's
+            checkpoints).
+        every_n_epochs: also export after every n-th epoch as ``epoch_<E>`` (0: only
+            ``last``, when training ends).
+        dtype: cast the exported weights, e.g. "bfloat16" for serving fp32-master runs
+            (None: as trained).
+    """
+
+    def __init__(self, dirpath: str | None = None, every_n_epochs: int = 0,
+                 dtype: str | None = None):
+        if every_n_epochs < 0:
+            raise ValueError(f"ExportPolicy every_n_epochs ({every_n_epochs}) must be >= 0 "
+                             f"(0: only at the end of training)")
+        self.dirpath = dirpath
+        self.every_n_epochs = every_n_epochs
+        self.dtype = dtype
+        self.exported: list[Path] = []  # directories written by this rank, in order
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        if self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
+            self.export(trainer, pl_module, f"epoch_{epoch}", epochs_done=epoch + 1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the fit loop has counted the last epoch by now
+        self.export(trainer, pl_module, "last", epochs_done=trainer.current_epoch)
+
+    def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str,
+               epochs_done: int) -> Path:
+        """Gather the policy (collective) and write ``<dirpath>/<name>`` on rank 0."""
+        root = Path(self.dirpath) if self.dirpath else Path(
+            trainer.log_dir or trainer.default_root_dir) / "policy"  # log_dir: a broadcast
+        state = dict(policy_weights(pl_module.policy, rank0_cpu=True))
+        out = root / name
+        if trainer.is_global_zero:
+            meta = {"epochs": epochs_done, "global_step": trainer.global_step}
+            save_policy(state, pl_module.hparams.policy_path, out, self.dtype, meta)
+            self.exported.append(out)
+        trainer.strategy.barrier("ExportPolicy")
+        return out
