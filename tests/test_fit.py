@@ -162,7 +162,8 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     from trace_lightning.engines.vllm_engine import VLLMEngine
     from trace_lightning.module import TraceModule
 
-    seen: dict[str, list] = {"generate": [], "load_weights": [], "train": [], "threads": []}
+    seen: dict[str, list] = {"generate": [], "load_weights": [], "train": [], "predict": [],
+                             "threads": []}
 
     def spy(name, fn, awake):
         def wrapped(self, *args, **kwargs):
@@ -171,10 +172,12 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
             return fn(self, *args, **kwargs)
         monkeypatch.setattr(cls[name], fn.__name__, wrapped)
 
-    cls = {"generate": VLLMEngine, "load_weights": VLLMEngine, "train": TraceModule}
+    cls = {"generate": VLLMEngine, "load_weights": VLLMEngine, "train": TraceModule,
+           "predict": TraceModule}
     spy("generate", VLLMEngine.generate, lambda e: e.awake)
     spy("load_weights", VLLMEngine.load_weights, lambda e: e.awake)
     spy("train", TraceModule.training_step, lambda m: m.trainer.datamodule.engine.awake)
+    spy("predict", TraceModule.predict_trees, lambda m: m.trainer.datamodule.engine.awake)
     # the process's own torch threads (vLLM may have replaced torch.set_num_threads already)
     before = torch.get_num_threads()
     torch._C.set_num_threads(2)
@@ -187,10 +190,12 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     assert out.datamodule.last_val_step == 2
     assert out.datamodule.sync_diff < 1e-3
     assert seen["train"] == [False, False]
-    # on CPU the engine samples on one thread and training gets the process's two back;
+    # on CPU the engine samples on one thread and training gets the process's two back, as
+    # does the predictor's featurisation between sampling calls (the engine stays awake);
     # closing the engine leaves them with the process
-    assert {n for name, n in seen["threads"] if name == "train"} == {2}
-    assert {n for name, n in seen["threads"] if name != "train"} == {1}
+    assert {n for name, n in seen["threads"] if name in ("train", "predict")} == {2}
+    assert {n for name, n in seen["threads"] if name in ("generate", "load_weights")} == {1}
+    assert seen["predict"] and all(seen["predict"])
     assert after == 2
     assert seen["generate"] and all(seen["generate"])
     assert len(seen["load_weights"]) == 2 and all(seen["load_weights"])  # rollout, validation

@@ -364,8 +364,15 @@ class TraceDataModule(L.LightningDataModule):
         bar = self._progress_bar(f"Rollout {epoch}", self.allocator.leaves_per_step // world)
         loop = AgentLoop(self.engine, self._env(self.corpus), self.sampling,
                          on_leaves=bar.update if bar is not None else None)
-        predict = (oracle_predict(loop, self.oracle_samples, seed=self.seed + epoch)
-                   if self.allocator.kind == "oracle" else module.predict_trees)
+        if self.allocator.kind == "oracle":
+            predict = oracle_predict(loop, self.oracle_samples, seed=self.seed + epoch)
+        else:
+            def predict(trees: list[RolloutTree]) -> None:
+                # the featuriser's forward passes run on the process's threads, not the
+                # engine's one
+                with self.engine.host_compute():
+                    module.predict_trees(trees)
+
         step = collect_step(loop, self.allocator, candidates, predict=predict,
                             predictor_nodes_seen=module.predictor_nodes_seen, epoch=epoch,
                             seed=int(self._rng.integers(2**31 - 1)) + rank,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,6 +65,12 @@ class RolloutEngine(Protocol):
 
     def wake_up(self) -> None:
         """The engine's turn: take back what ``sleep`` freed, before any sync or sampling."""
+        ...
+
+    def host_compute(self) -> AbstractContextManager[None]:
+        """The trainer's own torch work between sampling calls while the engine is awake (the
+        predictor's featurisation of a step's roots and prefixes): on CPU it runs on the
+        process's threads, not the engine's one; a no-op where threads are not split."""
         ...
 
     def close(self) -> None:

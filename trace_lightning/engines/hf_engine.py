@@ -14,6 +14,7 @@ Prompts are left-padded; there is no prefix cache, so ``cached_tokens`` is alway
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -178,6 +179,10 @@ class HFEngine:
     def close(self) -> None:
         """Drop the model (the caller's module, if one was passed, stays alive)."""
         self.model = None
+
+    def host_compute(self) -> contextlib.AbstractContextManager[None]:
+        """A no-op: this engine samples on the process's own torch threads."""
+        return contextlib.nullcontext()
 
     def sleep(self) -> None:
         """Only marks the phase: the transformers engine keeps its weights where they are."""

@@ -262,6 +262,16 @@ class VLLMEngine:
         if self.engine_threads is not None:
             torch._C.set_num_threads(n)
 
+    @contextlib.contextmanager
+    def host_compute(self):
+        """Torch work of the trainer's between sampling calls (the predictor's featurisation)
+        on the process's own threads, then back to ``cpu_threads`` (CPU only)."""
+        self._set_threads(self.trainer_threads)
+        try:
+            yield
+        finally:
+            self._set_threads(self.engine_threads if self.awake else self.trainer_threads)
+
     def sleep(self) -> None:
         """The trainer's turn: offload weights and drop the KV cache (CUDA with sleep mode;
         the prefix cache is cleared with it); on CPU, give the process its torch threads
