@@ -101,20 +101,22 @@ class HFEngine:
         model.eval()
         batch, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros(batch, width, dtype=torch.long)  # (B, T)
+        # every step's attention mask at once, prompts left-padded: step k reads a view of
+        # its first T + k + 1 columns (growing the mask with cat copied it every step)
+        mask = torch.ones(batch, width + sampling.max_tokens, dtype=torch.long)  # (B, T + K)
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            mask[i, :width - len(p)] = 0
         ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # (B, T)
         cache = DynamicCache(config=model.config)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+        logits = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
                        past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
         finish: list[str | None] = [None] * batch
         stop_window = max((len(s) for s in sampling.stop), default=0) + 2
-        for _ in range(sampling.max_tokens):
+        for step in range(sampling.max_tokens):
             # on the model's device; only (B,) tokens and log-probs come back to the host
             # (copying (B, V) logits each step made a 256 x 151,936 batch 17x slower on GPU)
             logits = logits.float()  # (B, V)
@@ -136,9 +138,8 @@ class HFEngine:
                         finish[i] = "stop"
             if all(f is not None for f in finish):
                 break
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)  # (B, T+1)
             positions = positions[:, -1:] + 1  # (B, 1)
-            logits = model(input_ids=nxt[:, None], attention_mask=mask,
+            logits = model(input_ids=nxt[:, None], attention_mask=mask[:, :width + step + 1],
                            position_ids=positions, past_key_values=cache,
                            use_cache=True).logits[:, -1]  # (B, V)
         model.train(was_training)
