@@ -93,8 +93,8 @@ def _load_exactly(model: nn.Module, state: dict[str, torch.Tensor], policy_path)
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]}); export with "
                          f"the policy_path the run trained (see its hparams.yaml)")
     model.load_state_dict(state, strict=False, assign=True)
-    if tied:
-        model.tie_weights()
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()  # one tensor again where a checkpoint stored two copies
 
 
 def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
