@@ -18,7 +18,8 @@ evaluation at or above it, and on the mean curve over seeds, linear between eval
 (the same seed: the same candidates every epoch and the same evaluation questions): mean
 difference in final accuracy, in accuracy averaged over all epochs (eight evaluations, so
 less noise than the last one alone) and in effective ratio, each with its standard error
-and the count of seeds ahead. Writes a plot of accuracy against sampling budget per method.
+and the count of seeds ahead. Writes a plot of accuracy against sampling budget per method
+(the mean over seeds, shaded +- its standard error).
 
     python benchmarks/learning.py                   # 3 seeds x 4 methods (about an hour here)
     python benchmarks/learning.py --quick           # 1 seed, 3 epochs, 128 leaves (< 10 min here)
@@ -168,6 +169,9 @@ def main(argv=None) -> dict:
             "acc_before": float(np.mean([r["acc_before"] for r in rs])),
             "acc_mean": acc.mean(0).tolist(), "acc_min": acc.min(0).tolist(),
             "acc_max": acc.max(0).tolist(), "final_acc": float(acc[:, -1].mean()),
+            # standard error of the mean over seeds, per epoch (0 for one seed)
+            "acc_se": (acc.std(0, ddof=1) / np.sqrt(len(rs)) if len(rs) > 1
+                       else np.zeros(acc.shape[1])).tolist(),
             "effective_ratio": float(np.mean([np.mean(r["effective"]) for r in rs])),
             "informative_leaf_share": float(np.mean([np.mean(r["informative"]) for r in rs])),
             "leaves_per_step": float(np.mean([np.mean(r["leaves"]) for r in rs])),
@@ -253,16 +257,16 @@ def plot(summary: dict, path: str, target: float | None) -> None:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for m, r in summary.items():
         leaves = r["leaves_per_step"] * np.arange(0, len(r["acc_mean"]) + 1)
-        mean = [r["acc_before"], *r["acc_mean"]]
-        lo = [r["acc_before"], *r["acc_min"]]
-        hi = [r["acc_before"], *r["acc_max"]]
+        mean = np.array([r["acc_before"], *r["acc_mean"]])
+        se = np.array([0.0, *r["acc_se"]])
         ax.plot(leaves, mean, marker="o", label=m)
-        ax.fill_between(leaves, lo, hi, alpha=0.15)
+        ax.fill_between(leaves, mean - se, mean + se, alpha=0.15)
     if target is not None:
         ax.axhline(target, color="grey", ls=":", lw=1, label="target")
     ax.set_xlabel("sampling budget (leaves)")
     ax.set_ylabel("held-out exact match")
-    ax.set_title("demo world: accuracy vs sampling budget")
+    seeds = len(next(iter(summary.values()))["final_acc_per_seed"])
+    ax.set_title(f"demo world, {seeds} seed{'s' if seeds > 1 else ''}: mean +- standard error")
     ax.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
