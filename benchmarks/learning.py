@@ -62,7 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the plot (default docs/learning.png, --quick: in its out-dir)")
     p.add_argument("--quick", action="store_true",
                    help="1 seed, 3 epochs, 100 questions, half the demo's budget per step")
-    p.add_argument("--extra", nargs="*", default=[], help="more CLI overrides for every run")
+    p.add_argument("--extra", action="append", default=[],
+                   help="one more CLI override for every run, repeatable: "
+                        "--extra=--model.advantage=treepo --extra=--data.allocator.roots=64")
     p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     return p.parse_args(argv)
 
