@@ -330,8 +330,9 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
     args = demo_args(demo_dir, tmp_path, 1, "--trainer.devices=2",
                      f"--trainer.strategy={json.dumps(strategy)}", "--model.weight_decay=0.1")
     script = Path(sys.executable).parent / "trace-lightning"
-    proc = subprocess.run([str(script), "fit", *args], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([str(script), "fit", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FullyShardedDataParallel" in proc.stdout + proc.stderr  # the policy's wrapper
     run = tmp_path / "tensorboard" / "version_0"

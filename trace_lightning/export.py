@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
                     "(transformers, vLLM).")
     p.add_argument("ckpt", help="last.ckpt (a file) or a sharded FSDP checkpoint directory")
     p.add_argument("out", help="directory to write (replaced if it exists)")
-    p.add_argument("--dtype", default=None, help="cast weights, e.g. bfloat16 (default: as trained)")
+    p.add_argument("--dtype", default=None,
+                   help="cast weights, e.g. bfloat16 (default: as trained)")
     p.add_argument("--policy-path", default=None,
                    help="config and tokenizer source (default: the run's model.policy_path)")
     args = p.parse_args(argv)
