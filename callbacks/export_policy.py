@@ -4,7 +4,8 @@
 epochs: config, safetensors weights, tokenizer and ``trace_lightning.json`` (epochs trained,
 optimizer steps), ready for ``AutoModelForCausalLM.from_pretrained`` or ``vllm serve``.
 Under FSDP the shards are gathered onto rank 0's CPU, which alone writes; every rank takes
-part in the gather. For a checkpoint after the fact, ``trace-lightning-export`` (``trace_lightning/export.py``).
+part in the gather. For a checkpoint after the fact: ``trace-lightning-export``
+(``trace_lightning/export.py``).
 """
 
 from __future__ import annotations
