@@ -59,8 +59,12 @@ def scalars(root: Path) -> dict[str, list[float]]:
 
 def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
     # A: two epochs straight
-    # (with an lr warm-up over 3 of the 4 optimizer steps, so its schedule must resume too)
-    warmup = ("--model.lr=2e-4", "--model.lr_warmup_steps=3")
+    # (with an lr warm-up over 3 of the 4 optimizer steps, so its schedule must resume too;
+    # this small world's policy never succeeds, so the advantages are zero: weight decay moves
+    # the policy off the KL reference, and the KL term then gives AdamW moments that the
+    # resumed run must restore to end with the same weights)
+    warmup = ("--model.lr=2e-4", "--model.lr_warmup_steps=3", "--model.weight_decay=0.1",
+              "--model.kl_coef=0.5")
     a = tmp_path / "a"
     main(["fit", *demo_args(demo_dir, a, 2, *warmup)])
     # B: one epoch, "killed", then resumed from its last checkpoint for the second
@@ -87,6 +91,17 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
     sa, sb = scalars(a), scalars(b)
     for key in ("train/loss", "rollout/reward_mean", "alloc/leaves", "val/em"):
         assert sa[key][-1] == pytest.approx(sb[key][-1], abs=1e-5), key
+    # the same weights at the end: the optimizer's moments and step count came back too
+    # (a reset step count alone changes the third update by about a third of lr)
+    assert sa["train/kl_ref"][-1] > 0 and sa["train/grad_norm"][1] > 0  # moments before B stops
+    resumed = max(b.rglob("last.ckpt"), key=lambda f: f.stat().st_mtime)
+    assert resumed != ckpt
+    wa = torch.load(next(a.rglob("last.ckpt")), weights_only=False)["state_dict"]
+    wb = torch.load(resumed, weights_only=False)["state_dict"]
+    policy = [k for k in wa if k.startswith("policy.")]
+    assert policy
+    for k in policy:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0)
     # lr of each step: 2e-4 times min(1, (s + 1) / 3); B's resumed epoch goes on
     # from its checkpointed schedule (a fresh schedule would start again at 2e-4 / 3)
     lr = 2.0e-4
