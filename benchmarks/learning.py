@@ -237,10 +237,9 @@ def main(argv=None) -> dict:
               "target": target, "methods": summary}
     if "trace" in summary and "uniform" in summary:
         t, u = summary["trace"], summary["uniform"]
-        per_seed = list(zip(t["final_acc_per_seed"], u["final_acc_per_seed"]))
-        result["trace_ahead_every_seed"] = all(a > b for a, b in per_seed)
-        result["trace_more_effective_every_seed"] = all(
-            a > b for a, b in zip(t["effective_per_seed"], u["effective_per_seed"]))
+        vs = t["vs_uniform"]
+        result["trace_ahead_every_seed"] = vs["final_acc"]["ahead"] == len(seeds)
+        result["trace_more_effective_every_seed"] = vs["effective_ratio"]["ahead"] == len(seeds)
         tb, ub = t["budget_to_target_mean_curve"], u["budget_to_target_mean_curve"]
         if tb is not None and ub:
             result["trace_budget_over_uniform"] = tb / ub

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from trace_lightning.cli import cli, main
+from trace_lightning.export import export_checkpoint, policy_state
+from trace_lightning.export import main as export_main
 from trace_lightning.tree import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -96,11 +98,11 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
     assert sa["train/kl_ref"][-1] > 0 and sa["train/grad_norm"][1] > 0  # moments before B stops
     resumed = max(b.rglob("last.ckpt"), key=lambda f: f.stat().st_mtime)
     assert resumed != ckpt
-    wa = torch.load(next(a.rglob("last.ckpt")), weights_only=False)["state_dict"]
-    wb = torch.load(resumed, weights_only=False)["state_dict"]
-    policy = [k for k in wa if k.startswith("policy.")]
-    assert policy
-    for k in policy:
+    wa = policy_state(torch.load(next(a.rglob("last.ckpt")), weights_only=False)["state_dict"],
+                      "A")
+    wb = policy_state(torch.load(resumed, weights_only=False)["state_dict"], "B")
+    assert wa and set(wa) == set(wb)
+    for k in wa:
         torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0)
     # lr of each step: 2e-4 times min(1, (s + 1) / 3); B's resumed epoch goes on
     # from its checkpointed schedule (a fresh schedule would start again at 2e-4 / 3)
@@ -135,8 +137,6 @@ def test_fit_exports_the_trained_policy_for_transformers(demo_dir, tmp_path):
     ``trace-lightning-export`` turns that checkpoint into the same directory."""
     from transformers import AutoModelForCausalLM
 
-    from trace_lightning.export import main as export_main
-
     # this small world's policy rarely succeeds (zero advantages); weight decay moves every
     # weight anyway, so the export must be of the trained weights, not the initial ones
     main(["fit", *demo_args(demo_dir, tmp_path, 1, "--model.lr=1e-3",
@@ -144,8 +144,7 @@ def test_fit_exports_the_trained_policy_for_transformers(demo_dir, tmp_path):
     run = tmp_path / "tensorboard" / "version_0"
     exported = AutoModelForCausalLM.from_pretrained(run / "policy" / "last").state_dict()
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
-    trained = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items()
-               if k.startswith("policy.")}
+    trained = policy_state(ckpt["state_dict"], "last.ckpt")
     initial = AutoModelForCausalLM.from_pretrained(demo_dir / "model").state_dict()
     assert set(exported) == set(trained) == set(initial)
     for name in trained:
@@ -335,8 +334,6 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
     import sys
 
     from transformers import AutoModelForCausalLM
-
-    from trace_lightning.export import export_checkpoint
 
     strategy = {"class_path": "trace_lightning.strategies.CPUFSDPStrategy",
                 "init_args": {"auto_wrap_policy": [
