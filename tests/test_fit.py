@@ -72,10 +72,9 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
     # B: one epoch, "killed", then resumed from its last checkpoint for the second
     b = tmp_path / "b"
     main(["fit", *demo_args(demo_dir, b, 1, *warmup)])
-    ckpt = b / "tensorboard" / "version_0" / "checkpoints" / "last.ckpt"
-    if not ckpt.exists():
-        ckpt = next(b.rglob("last.ckpt"))
-    main(["fit", *demo_args(demo_dir, b, 2, *warmup), f"--ckpt_path={ckpt}"])
+    (ckpt,) = b.rglob("last.ckpt")
+    # "last": B's first run's checkpoint, in version_0 (the resumed run logs to version_1)
+    main(["fit", *demo_args(demo_dir, b, 2, *warmup), "--ckpt_path=last"])
 
     # the same second-epoch trees: same prompts, same allocation, same sampled tokens
     ta = list(read_jsonl(a / "trees" / "epoch_1_rank_0.jsonl"))
@@ -157,6 +156,48 @@ def test_fit_exports_the_trained_policy_for_transformers(demo_dir, tmp_path):
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").state_dict()
     for name in trained:
         torch.testing.assert_close(converted[name], trained[name], atol=0, rtol=0)
+
+
+def test_validate_last_checkpoint_samples_with_its_weights(demo_dir, tmp_path):
+    """``validate --ckpt_path last`` (how a trained policy is scored, as the README says):
+    the checkpoint is found in the fit's log version (validate logs to a new one, where
+    Lightning's own lookup finds nothing and keeps the initial weights), and the engine,
+    which starts from ``policy_path``, samples with the checkpoint's weights."""
+    from transformers import AutoModelForCausalLM
+
+    # decoupled weight decay of lr * wd = 0.1 per step: every weight x 0.81 after the 2
+    # updates, which moves log-probs far more than the engine's numerics (1e-5) do
+    main(["fit", *demo_args(demo_dir, tmp_path, 1, "--model.lr=1e-3",
+                            "--model.weight_decay=100")])
+    (ckpt,) = tmp_path.rglob("last*.ckpt")
+    out = cli(["validate", *demo_args(demo_dir, tmp_path, 1), "--ckpt_path=last"])
+    assert out.trainer.ckpt_path == str(ckpt)
+    assert out.datamodule.sync_diff < 1e-3
+
+    def logprobs(weights: dict[str, torch.Tensor], seq) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(demo_dir / "model", dtype=torch.float32)
+        model.load_state_dict(weights)
+        ids = torch.tensor([seq.input_ids])
+        with torch.no_grad():
+            lp = model(ids).logits.float().log_softmax(-1)[0, :-1]
+        lp = lp.gather(-1, ids[0, 1:, None])[:, 0]  # (T-1,) log p of each next token
+        keep = torch.tensor(seq.policy_mask[1:], dtype=torch.bool)
+        return lp[keep]
+
+    trained = policy_state(torch.load(ckpt, weights_only=False)["state_dict"], "last.ckpt")
+    initial = AutoModelForCausalLM.from_pretrained(demo_dir / "model").state_dict()
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)
+    (seq, *_) = out.datamodule.last_val_trees["demo_heldout"][0].flatten()
+    sampled = torch.tensor(seq.logprobs)[torch.tensor(seq.policy_mask, dtype=torch.bool)]
+    assert sampled.numel() > 5
+    assert (sampled - logprobs(trained, seq)).abs().max() < 1e-3
+    assert (sampled - logprobs(initial, seq)).abs().max() > 1e-2
+
+
+def test_validate_last_without_a_checkpoint_is_a_clear_error(demo_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="--ckpt_path last: no last checkpoint") as err:
+        main(["validate", *demo_args(demo_dir, tmp_path, 1), "--ckpt_path=last"])
+    assert str(tmp_path / "tensorboard" / "*" / "checkpoints") in str(err.value)
 
 
 def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path):

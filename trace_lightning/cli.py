@@ -3,21 +3,33 @@
     trace-lightning fit --config configs/demo.yaml
     trace-lightning validate --config configs/demo.yaml --ckpt_path last
 
+``--ckpt_path last`` means the newest ``last*.ckpt`` that a run with the same logger (or
+``ModelCheckpoint.dirpath``) saved before, in any of its versions: each run logs to a new
+``version_<N>``, where Lightning's own lookup would find nothing and quietly use the initial
+weights. ``validate`` without one is an error; ``fit`` without one starts from scratch.
+
 ``main(args)`` takes the argument list so tests can run the CLI in-process; ``cli(args)``
 does the same and returns the ``LightningCLI`` object.
 """
 
 from __future__ import annotations
 
+import glob
+import logging
 import os
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in-process (CPU, tests)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from lightning.pytorch import Trainer  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from trace_lightning.data import TraceDataModule  # noqa: E402
 from trace_lightning.module import TraceModule  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 
 class TraceCLI(LightningCLI):
@@ -25,6 +37,59 @@ class TraceCLI(LightningCLI):
         # one source for values that data and model share
         parser.link_arguments("model.policy_path", "data.policy_path")
         parser.link_arguments("model.advantage", "data.advantage")
+
+    def before_fit(self) -> None:
+        self._resolve_last_checkpoint(required=False)
+
+    def before_validate(self) -> None:
+        self._resolve_last_checkpoint(required=True)
+
+    def _resolve_last_checkpoint(self, required: bool) -> None:
+        """Replace ``--ckpt_path last`` by the path of the newest last checkpoint."""
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") != "last":
+            return
+        found, searched = last_checkpoint(self.trainer)
+        if found is None and required:
+            raise FileNotFoundError(
+                f"--ckpt_path last: no last checkpoint (last*.ckpt) in {', '.join(searched)}; "
+                f"train first (ModelCheckpoint(save_last=True), as in configs/demo.yaml, "
+                f"writes one there), pass a checkpoint's path, or leave --ckpt_path out to "
+                f"use --model.policy_path's weights")
+        if found is None:
+            log.warning("--ckpt_path last: no last checkpoint in %s yet; training starts from "
+                        "--model.policy_path", ", ".join(searched))
+        else:
+            log.info("--ckpt_path last: %s", found)
+        config["ckpt_path"] = None if found is None else str(found)
+
+
+def last_checkpoint(trainer: Trainer) -> tuple[Path | None, list[str]]:
+    """The newest ``last*.ckpt`` (a file, or a folder for sharded FSDP checkpoints) that this
+    trainer's checkpoint callbacks wrote in earlier runs, and the places searched (patterns).
+
+    A ``ModelCheckpoint`` with a ``dirpath`` saves there; one without saves under the first
+    logger's ``<save_dir>/<name>/<version>/checkpoints`` (every version is searched), or
+    ``<default_root_dir>/checkpoints`` without a logger."""
+    patterns: list[str] = []
+    for cb in trainer.checkpoint_callbacks:
+        if not isinstance(cb, ModelCheckpoint):
+            continue
+        if cb.dirpath is not None:
+            patterns.append(str(Path(cb.dirpath) / "last*.ckpt"))
+        elif trainer.loggers:
+            logger = trainer.loggers[0]
+            base = Path(logger.save_dir or trainer.default_root_dir)
+            if logger.name:
+                base = base / str(logger.name)
+            patterns.append(str(base / "*" / "checkpoints" / "last*.ckpt"))
+        else:
+            patterns.append(str(Path(trainer.default_root_dir) / "checkpoints" / "last*.ckpt"))
+    patterns = list(dict.fromkeys(patterns))
+    found = [Path(p) for pattern in patterns for p in glob.glob(pattern)]
+    if not found:
+        return None, patterns
+    return max(found, key=lambda p: p.stat().st_mtime), patterns
 
 
 def cli(args: list[str] | None = None) -> TraceCLI:
