@@ -8,7 +8,9 @@ question count (``dist_reduce_fx="sum"``), so under several processes the logged
 the mean over the union of every rank's questions, however unevenly they are split.
 
 Values are logged with ``pl_module.log`` in ``on_validation_epoch_end`` (already reduced,
-so ``sync_dist=False``): they land in ``trainer.callback_metrics`` (monitorable by
+so ``sync_dist=False``; Lightning's advice to set ``sync_dist=True``, given whenever
+``torch.distributed`` is up, as vLLM makes it even in one process, is silenced for these
+keys): they land in ``trainer.callback_metrics`` (monitorable by
 ``ModelCheckpoint``), in the list ``trainer.validate`` returns, and in every logger.
 ``val/em`` and ``val/f1`` are the unweighted means over datasets (each set counts once).
 """
@@ -16,9 +18,12 @@ so ``sync_dist=False``): they land in ``trainer.callback_metrics`` (monitorable 
 from __future__ import annotations
 
 import math
+import re
+import warnings
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from torchmetrics import Metric
 
 from callbacks._common import gather
@@ -59,6 +64,9 @@ class QAAccuracy(pl.Callback):
 
     def __init__(self, prefix: str = "val"):
         self.prefix = prefix
+        warnings.filterwarnings(
+            "ignore", category=PossibleUserWarning,
+            message=rf"It is recommended to use `self.log\('{re.escape(prefix)}/.*sync_dist=True")
         self.metrics: dict[str, DatasetMeans] = {}
         self.last_metrics: dict[str, float] = {}
 
