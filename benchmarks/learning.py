@@ -18,11 +18,15 @@ evaluation at or above it, and on the mean curve over seeds, linear between eval
 (the same seed: the same candidates every epoch and the same evaluation questions): mean
 difference in final accuracy, in accuracy averaged over all epochs (eight evaluations, so
 less noise than the last one alone) and in effective ratio, each with its standard error
-and the count of seeds ahead. Writes a plot of accuracy against sampling budget per method
-(the mean over seeds, shaded +- its standard error).
+and the count of seeds ahead. ``--final-samples K`` evaluates each run's last checkpoint once
+more with K samples per held-out question (``trace-lightning validate --ckpt_path``, in
+``<run>/final_eval``; each per-epoch evaluation takes 2): the final accuracy with about
+sqrt(K / 2) times less sampling noise, paired the same way. Writes a plot of accuracy
+against sampling budget per method (the mean over seeds, shaded +- its standard error).
 
     python benchmarks/learning.py                   # 3 seeds x 4 methods (about an hour here)
     python benchmarks/learning.py --quick           # 1 seed, 3 epochs, 128 leaves (< 10 min here)
+    python benchmarks/learning.py --final-samples 16  # + each final policy on 200 x 16 rollouts
 
 Ends with one JSON line.
 """
@@ -65,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra", action="append", default=[],
                    help="one more CLI override for every run, repeatable: "
                         "--extra=--model.advantage=treepo --extra=--data.allocator.roots=64")
+    p.add_argument("--final-samples", type=int, default=0,
+                   help="evaluate each run's last checkpoint again with this many samples per "
+                        "held-out question (0: off)")
     p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     return p.parse_args(argv)
 
@@ -109,10 +116,29 @@ def run(method: str, seed: int, args, root: Path) -> dict:
                        check=True, cwd=REPO)
     before = scalars(out, 0)[0][KEYS["acc"]][-1]
     s, wall_s = scalars(out)
-    return {"method": method, "seed": seed, "acc_before": before,
-            "acc": s[KEYS["acc"]][-args.epochs:],
-            **{k: s.get(v, []) for k, v in KEYS.items() if k != "acc"},
-            "wall_s": wall_s}
+    result = {"method": method, "seed": seed, "acc_before": before,
+              "acc": s[KEYS["acc"]][-args.epochs:],
+              **{k: s.get(v, []) for k, v in KEYS.items() if k != "acc"},
+              "wall_s": wall_s}
+    if args.final_samples:
+        result["acc_final_eval"] = final_eval(out, configs, common, args.final_samples)
+    return result
+
+
+def final_eval(out: Path, configs: list[str], common: list[str], samples: int) -> float:
+    """The run's last checkpoint on the held-out questions with ``samples`` rollouts each,
+    through ``trace-lightning validate --ckpt_path`` (read back when already there)."""
+    where = out / "final_eval" / f"samples_{samples}"
+    if not ((where / "tensorboard").exists() and KEYS["acc"] in scalars(where)[0]):
+        (ckpt,) = sorted((out / "tensorboard").glob("version_*/checkpoints/last.ckpt"))[-1:]
+        if where.exists():
+            shutil.rmtree(where)
+        subprocess.run([sys.executable, "-m", "trace_lightning.cli", "validate", *configs,
+                        *common, f"--trainer.default_root_dir={where}",
+                        f"--trainer.logger.init_args.save_dir={where}",
+                        f"--data.val_samples={samples}", f"--ckpt_path={ckpt}"],
+                       check=True, cwd=REPO)
+    return scalars(where)[0][KEYS["acc"]][-1]
 
 
 def budget_to_reach(acc: list[float], leaves: list[float], target: float) -> float | None:
@@ -150,6 +176,12 @@ def paired(a: list[float], b: list[float]) -> dict:
             "ahead": int((d > 0).sum()), "seeds": len(d)}
 
 
+def fmt_paired(p: dict) -> str:
+    """``+0.005 +-0.006 (7/10)``: mean difference, its standard error, seeds ahead / seeds."""
+    se = f" +-{p['se']:.3f}" if p["se"] is not None else ""
+    return f"{p['mean']:+.3f}{se} ({p['ahead']}/{p['seeds']})"
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.quick:
@@ -182,6 +214,9 @@ def main(argv=None) -> dict:
             "final_acc_per_seed": acc[:, -1].tolist(),
             "effective_per_seed": [float(np.mean(r["effective"])) for r in rs],
         }
+        if args.final_samples:
+            summary[m]["final_eval_per_seed"] = [r["acc_final_eval"] for r in rs]
+            summary[m]["final_eval_acc"] = float(np.mean(summary[m]["final_eval_per_seed"]))
     target = args.target
     if target is None and "uniform" in summary:
         target = summary["uniform"]["final_acc"]
@@ -204,6 +239,9 @@ def main(argv=None) -> dict:
                     "final_acc": paired(r["final_acc_per_seed"], u["final_acc_per_seed"]),
                     "mean_acc": paired(r["mean_acc_per_seed"], u["mean_acc_per_seed"]),
                     "effective_ratio": paired(r["effective_per_seed"], u["effective_per_seed"])}
+                if args.final_samples:
+                    r["vs_uniform"]["final_eval"] = paired(r["final_eval_per_seed"],
+                                                           u["final_eval_per_seed"])
 
     print(f"\nlearning benchmark: {len(seeds)} seed(s) x {args.epochs} epochs, "
           f"target accuracy {target:.3f}")
@@ -222,17 +260,21 @@ def main(argv=None) -> dict:
         print(f"{'method':12s}{'final acc':>24s}{'mean acc, all epochs':>26s}"
               f"{'effective ratio':>24s}{'leaves to target':>18s}")
 
-        def cell(p: dict) -> str:
-            se = f" +-{p['se']:.3f}" if p["se"] is not None else ""
-            return f"{p['mean']:+.3f}{se} ({p['ahead']}/{p['seeds']})"
-
         for m, r in summary.items():
             b = r["budget_to_target_mean_curve"]
             v = r.get("vs_uniform")
-            cells = [cell(v[k]) for k in ("final_acc", "mean_acc", "effective_ratio")] \
+            cells = [fmt_paired(v[k]) for k in ("final_acc", "mean_acc", "effective_ratio")] \
                 if v else ["", "", ""]
             print(f"{m:12s}{cells[0]:>24s}{cells[1]:>26s}{cells[2]:>24s}"
                   f"{'-' if b is None else f'{b:.0f}':>18s}")
+    if args.final_samples:
+        print(f"\nlast checkpoints again, {args.final_samples} samples per held-out question")
+        print(f"{'method':12s}{'final acc':>11s}{'vs uniform':>24s}  per seed")
+        for m, r in summary.items():
+            v = r.get("vs_uniform")
+            seeds_txt = " ".join(f"{a:.3f}" for a in r["final_eval_per_seed"])
+            print(f"{m:12s}{r['final_eval_acc']:11.3f}"
+                  f"{fmt_paired(v['final_eval']) if v else '':>24s}  {seeds_txt}")
     result = {"benchmark": "learning", "seeds": seeds, "epochs": args.epochs,
               "target": target, "methods": summary}
     if "trace" in summary and "uniform" in summary:
@@ -240,6 +282,9 @@ def main(argv=None) -> dict:
         vs = t["vs_uniform"]
         result["trace_ahead_every_seed"] = vs["final_acc"]["ahead"] == len(seeds)
         result["trace_more_effective_every_seed"] = vs["effective_ratio"]["ahead"] == len(seeds)
+        if args.final_samples:
+            result["trace_ahead_every_seed_final_eval"] = \
+                vs["final_eval"]["ahead"] == len(seeds)
         tb, ub = t["budget_to_target_mean_curve"], u["budget_to_target_mean_curve"]
         if tb is not None and ub:
             result["trace_budget_over_uniform"] = tb / ub

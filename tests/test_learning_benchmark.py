@@ -48,3 +48,40 @@ def test_paired_differences_by_hand(bench):
     # a tie is not ahead; one seed has no standard error
     one = bench.paired([0.45], [0.45])
     assert (one["ahead"], one["se"]) == (0, None)
+
+
+def _write_em(log_root: Path, em: float) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(str(log_root / "tensorboard" / "version_0"))
+    w.add_scalar("val/demo_heldout/em", em, 0)
+    w.close()
+
+
+def test_final_eval_validates_the_fit_checkpoint_once(bench, tmp_path, monkeypatch):
+    # a run as benchmarks/learning.py leaves it: version_0 the validation before RL,
+    # version_1 the fit with its last checkpoint
+    run = tmp_path / "trace_seed0"
+    for v in (0, 1):
+        (run / "tensorboard" / f"version_{v}" / "checkpoints").mkdir(parents=True)
+    ckpt = run / "tensorboard" / "version_1" / "checkpoints" / "last.ckpt"
+    ckpt.write_bytes(b"")
+    calls = []
+
+    def validate(cmd, check, cwd):
+        calls.append(cmd)
+        root = Path(next(a for a in cmd if a.startswith("--trainer.default_root_dir="))
+                    .split("=", 1)[1])
+        _write_em(root, 0.4375)
+
+    monkeypatch.setattr(bench.subprocess, "run", validate)
+    assert bench.final_eval(run, ["--config", "demo.yaml"], ["--seed_everything=0"], 16) == \
+        pytest.approx(0.4375)
+    (cmd,) = calls
+    assert cmd[3] == "validate" and f"--ckpt_path={ckpt}" in cmd
+    assert "--data.val_samples=16" in cmd and "--seed_everything=0" in cmd
+    # read back the second time; another sample count is another evaluation
+    assert bench.final_eval(run, ["--config", "demo.yaml"], [], 16) == pytest.approx(0.4375)
+    assert len(calls) == 1
+    bench.final_eval(run, ["--config", "demo.yaml"], [], 4)
+    assert len(calls) == 2 and "--data.val_samples=4" in calls[1]
