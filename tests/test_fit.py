@@ -59,7 +59,7 @@ def scalars(root: Path) -> dict[str, list[float]]:
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
+def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplog):
     # A: two epochs straight
     # (with an lr warm-up over 3 of the 4 optimizer steps, so its schedule must resume too;
     # this small world's policy never succeeds, so the advantages are zero: weight decay moves
@@ -68,7 +68,9 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path):
     warmup = ("--model.lr=2e-4", "--model.lr_warmup_steps=3", "--model.weight_decay=0.1",
               "--model.kl_coef=0.5")
     a = tmp_path / "a"
-    main(["fit", *demo_args(demo_dir, a, 2, *warmup)])
+    # "last" with no checkpoint yet starts from policy_path, and says so
+    main(["fit", *demo_args(demo_dir, a, 2, *warmup), "--ckpt_path=last"])
+    assert "--ckpt_path last: no last checkpoint" in caplog.text
     # B: one epoch, "killed", then resumed from its last checkpoint for the second
     b = tmp_path / "b"
     main(["fit", *demo_args(demo_dir, b, 1, *warmup)])
