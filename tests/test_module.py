@@ -158,6 +158,11 @@ def test_training_step_logs_minibatch_statistics(policy_dir):
         assert got[f"train/{k}"] == pytest.approx(v / tokens, rel=1e-4, abs=1e-7), k
     # the two micro-batches' entropies differ, so a mean of means would be another number
     assert got["train/entropy"] > 0
+    # under several ranks the divisor is the mini-batch's tokens over all ranks / ranks
+    # (data.equalise_over_ranks), here as if the other rank held 7 times this one's tokens
+    shared = dict(batch, normalizer=(batch["n_tokens"] * 8) / 2)
+    trainer = _fit(TraceModule(policy_path=str(policy_dir), lr=1e-3), [shared])
+    assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(loss_sum / 4, rel=1e-4)
 
 
 def test_kl_to_the_reference_is_zero_until_the_policy_moves(policy_dir):

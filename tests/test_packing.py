@@ -122,5 +122,36 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
     assert len({tuple(s) for s in splits}) > 1  # passes are split afresh, not replayed
     total = sum(sum(s.policy_mask) for s in seqs)
     assert sum(b["n_tokens"] for b in batches) == 3 * total
+    assert all(b["normalizer"] == b["n_tokens"] for b in batches)  # one process
     with pytest.raises(ValueError, match="ppo_epochs"):
         TraceDataModule(train="unused.jsonl", corpus="unused.jsonl", ppo_epochs=0)
+
+
+def _equalise_worker(rank: int, world: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from trace_lightning.data import equalise_over_ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world)
+    try:
+        # (micro-batches, policy tokens) of two mini-batches on each rank
+        share = {0: [(3, 30.0), (1, 10.0)], 1: [(1, 6.0), (0, 0.0)]}[rank]
+        minis = [{"micro": [{"k": i} for i in range(k)], "n_tokens": n} for k, n in share]
+        out = equalise_over_ranks(minis, pad_id=0)
+        torch.save([(len(m["micro"]), m["normalizer"], m["n_tokens"]) for m in out],
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_minibatches_over_two_ranks_share_one_token_mean(tmp_path):
+    """Two gloo processes. Micro-batch counts become the max over ranks (at least 1), and the
+    loss divisor is the mini-batch's tokens summed over ranks / 2: DDP averages the two
+    gradients, so a token weighs 1/2 * 1/18 = 1/36 = 1/(30 + 6) on either rank, the
+    token-mean over the whole mini-batch (with each rank's own count, a token on rank 1
+    would weigh 1/2 * 1/6, five times one on rank 0)."""
+    torch.multiprocessing.spawn(_equalise_worker, args=(2, str(tmp_path)), nprocs=2)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert got[0] == [(3, 18.0, 30.0), (1, 5.0, 10.0)]
+    assert got[1] == [(3, 18.0, 6.0), (1, 5.0, 0.0)]

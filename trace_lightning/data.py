@@ -407,21 +407,8 @@ class TraceDataModule(L.LightningDataModule):
                              advantages=[mini[i].token_advantages for i in g]) for g in groups]
             out.append({"micro": micro,
                         "n_tokens": float(sum(sum(s.policy_mask) for s in mini))})
-        return self._equalise(out)
-
-    def _equalise(self, minibatches: list[dict]) -> list[dict]:
-        """Pad every mini-batch to the largest micro-batch count over ranks with empty
-        (all-masked) micro-batches: collective ops (FSDP, DDP) need equal step counts."""
-        counts = torch.tensor([len(m["micro"]) for m in minibatches], dtype=torch.long)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            counts = counts.to(self.trainer.strategy.root_device)
-            torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
-            counts = counts.cpu()
-        pad = self.tokenizer.pad_token_id
-        for m, c in zip(minibatches, counts.tolist()):
-            while len(m["micro"]) < max(c, 1):
-                m["micro"].append(_empty_microbatch(pad))
-        return minibatches
+        device = self.trainer.strategy.root_device if self.trainer is not None else None
+        return equalise_over_ranks(out, self.tokenizer.pad_token_id, device)
 
     def val_dataloader(self) -> list[DataLoader]:
         """One loader per validation set; its rollouts are sampled when it is iterated.
@@ -503,6 +490,35 @@ class _SampleOnIter(Sampler):
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+def equalise_over_ranks(minibatches: list[dict], pad_id: int,
+                        device: torch.device | None = None) -> list[dict]:
+    """Make this rank's mini-batches fit a step taken by all ranks together.
+
+    Each mini-batch is padded with empty (all-masked) micro-batches to the largest
+    micro-batch count over ranks (collective ops, FSDP's and DDP's, need equal step counts),
+    and gets ``normalizer``, the divisor of its token-mean loss: its policy tokens summed over
+    ranks, divided by the number of ranks. DDP and FSDP average gradients over ranks, so
+    every rank dividing its own sum by that gives the token-mean over the whole mini-batch,
+    where every token weighs the same on whichever rank it was sampled (dividing by each
+    rank's own ``n_tokens`` would weigh a token on a rank with a small share more). One
+    process: ``normalizer`` = ``n_tokens``.
+    """
+    counts = torch.tensor([len(m["micro"]) for m in minibatches], dtype=torch.long)  # (S,)
+    tokens = torch.tensor([m["n_tokens"] for m in minibatches], dtype=torch.float64)  # (S,)
+    world = 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        counts, tokens = counts.to(device), tokens.to(device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.SUM)
+        counts, tokens = counts.cpu(), tokens.cpu()
+    for m, c, n in zip(minibatches, counts.tolist(), tokens.tolist()):
+        while len(m["micro"]) < max(c, 1):
+            m["micro"].append(_empty_microbatch(pad_id))
+        m["normalizer"] = n / world
+    return minibatches
 
 
 def _empty_microbatch(pad_id: int) -> dict:

@@ -8,7 +8,8 @@ own past outcomes (``PromptHistory``).
 
 Optimisation is manual: one ``training_step`` is one mini-batch of the step's leaves, split
 into token-packed micro-batches whose losses are normalised by the mini-batch's total policy
-tokens, so the gradient is the token-mean over the whole mini-batch.
+tokens, so the gradient is the token-mean over the whole mini-batch (over all ranks: the
+divisor is their summed tokens over the rank count, and DDP / FSDP average the gradients).
 """
 
 from __future__ import annotations
@@ -199,7 +200,9 @@ class TraceModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()[0]
         h = self.hparams
-        n_tokens = max(float(batch["n_tokens"]), 1.0)
+        # the token-mean's divisor: the mini-batch's policy tokens over all ranks / ranks
+        # (data.equalise_over_ranks); one process, or a batch without it: this rank's count
+        normalizer = max(float(batch.get("normalizer", batch["n_tokens"])), 1.0)
         # Statistics stay on the device until the mini-batch ends (then one sync, and one for
         # the gradient norm): a float() per micro-batch would wait for the GPU each time and
         # leave it idle while the next one is queued.
@@ -215,7 +218,7 @@ class TraceModule(L.LightningModule):
             loss, stats = policy_loss(logp, mb["old_logprobs"], mb["advantages"],
                                       mb["policy_mask"], clip_low=h.clip_low,
                                       clip_high=h.clip_high, ref_logprobs=ref,
-                                      kl_coef=h.kl_coef, normalizer=n_tokens, entropy=entropy)
+                                      kl_coef=h.kl_coef, normalizer=normalizer, entropy=entropy)
             self.manual_backward(loss)
             w = stats.pop("tokens")
             r = stats.pop("ratio_max")
