@@ -74,13 +74,20 @@ def test_adjust_moves_roots_only_and_separates_failing_from_mixed_prompts():
     assert prefix.prediction == 0.3
 
 
-def test_state_round_trip():
+def test_state_round_trip(caplog):
     h = PromptHistory(strength=3.0, decay=0.9, belief=True)
     h.record([("a", 2, 1.0, 4.0), ("b", 3, 0.0, 2.0)])
-    g = PromptHistory()
+    g = PromptHistory(strength=3.0, decay=0.9, belief=True)
     g.load_state_dict(h.state_dict())
-    assert (g.strength, g.decay, g.belief, len(g)) == (3.0, 0.9, True, 2)
-    assert g.posterior("a", 0.5, 4) == h.posterior("a", 0.5, 4)
+    assert len(g) == 2 and g.posterior("a", 0.5, 4) == h.posterior("a", 0.5, 4)
+    assert not caplog.records
+    # a resumed run with other settings keeps its own and says so: counts (1, 4) at step 2,
+    # one step of decay 0.9 later (0.9, 3.6); strength 1: (1 * 0.5 + 0.9) / (1 + 3.6)
+    k = PromptHistory(strength=1.0, decay=0.9, belief=False)
+    k.load_state_dict(h.state_dict())
+    assert (k.strength, k.decay, k.belief) == (1.0, 0.9, False)
+    assert k.posterior("a", 0.5, 3) == pytest.approx((0.5 + 0.9) / 4.6)
+    assert "strength" in caplog.text and "belief" in caplog.text
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -192,6 +192,33 @@ def test_fit_decreases_weighted_loss_on_separable_set():
     assert weighted_squared_error(p, y, w).item() == pytest.approx(stats["predictor/loss"])
 
 
+def test_a_fit_that_beats_nothing_leaves_the_predictor_as_it_was():
+    """Each fit first standardises the features on the replay; when no pass beats the
+    predictor as it was (here: no pass at all), it keeps its old standardisation too, so its
+    predictions do not move, and loss_before is the loss of the predictor that steered."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(200, 6, generator=gen)  # (N, D)
+    y = (x[:, 0] > 0).float()  # (N,)
+    pred = SuccessPredictor(6, hidden=16)
+    opt = torch.optim.AdamW(pred.parameters(), lr=3e-3)
+    group = torch.arange(200)
+
+    def replay(feats: torch.Tensor) -> ReplayBuffer:
+        buf = ReplayBuffer(max_steps=1)
+        buf.add(PredictorBatch(feats, torch.zeros(200, dtype=torch.long), y, torch.ones(200),
+                               group))
+        return buf
+
+    fit_predictor(pred, opt, replay(x), epochs=10, batch_size=32, generator=gen, holdout=0.0)
+    shifted = x + 5.0  # the next replay's features sit elsewhere: new standardisation
+    p_before = pred.predict(shifted, torch.zeros(200))
+    stats = fit_predictor(pred, opt, replay(shifted), epochs=0, batch_size=32, generator=gen,
+                          holdout=0.2)
+    torch.testing.assert_close(pred.predict(shifted, torch.zeros(200)), p_before)
+    assert stats["predictor/loss_before"] == pytest.approx(
+        weighted_squared_error(p_before, y, torch.ones(200)).item())
+
+
 def test_early_stopping_keeps_the_predictor_from_memorising_noise():
     # outcomes independent of the features: the best a predictor can do on new nodes is the
     # mean (Brier 0.25 at p = 0.5); a long fit on all nodes memorises them instead
@@ -255,13 +282,21 @@ def test_replay_buffer_keeps_last_steps_and_round_trips():
     blob = io.BytesIO()
     torch.save(buf.state_dict(), blob)
     blob.seek(0)
-    restored = ReplayBuffer(max_steps=5)
+    restored = ReplayBuffer(max_steps=2)
     restored.load_state_dict(torch.load(blob))
-    assert restored.max_steps == 2
     for a, b in zip(restored.sample_all(), data):
         assert torch.equal(a, b) and a.dtype == b.dtype
     restored.add(step(3.0, 1))  # still keeps only the last 2 steps
     assert restored.sample_all().value.tolist() == [2.0] * 4 + [3.0]
+    # the configured size applies to a resumed run, not the saved one's
+    blob.seek(0)
+    longer, shorter = ReplayBuffer(max_steps=5), ReplayBuffer(max_steps=1)
+    longer.load_state_dict(torch.load(blob))
+    blob.seek(0)
+    shorter.load_state_dict(torch.load(blob))
+    longer.add(step(3.0, 1))
+    assert longer.sample_all().value.tolist() == [1.0] * 2 + [2.0] * 4 + [3.0]
+    assert shorter.sample_all().value.tolist() == [2.0] * 4  # the newest step
     with pytest.raises(ValueError, match="max_steps"):
         ReplayBuffer(0)
 

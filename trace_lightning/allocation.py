@@ -42,9 +42,11 @@ gain ``q^c (1-q)``, non-increasing in c, so the greedy on marginal gain is exact
 (``solve_prefixes``). ``spread_prefix_budget`` runs it per prompt and spends whatever a prompt
 cannot use (no prefixes, or every prefix capped) on the other prompts' prefixes.
 
-Ties everywhere are broken deterministically: equal gains go to the item with fewer units
-so far, then to the lower index, so zero-value items (``v`` or ``q`` in {0, 1}) share the
-budget round-robin instead of piling onto the first one. Gains are compared rounded to
+Ties in the greedy solvers (``solve_roots``, ``solve_prefixes``) are broken
+deterministically: equal gains go to the item with fewer units so far, then to the lower
+index, so zero-value items (``v`` or ``q`` in {0, 1}) share the budget round-robin instead of
+piling onto the first one (``solve_root_values``, the dynamic programme for beliefs, keeps
+the first optimum it finds). Gains are compared rounded to
 ``TIE_DECIMALS`` decimals, so mathematically equal ones tie despite rounding (``1 - 0.7`` is
 not ``0.3`` in floats); this costs at most ``1e-12`` of objective per unit.
 """

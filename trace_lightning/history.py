@@ -34,11 +34,14 @@ rather than a posterior, is GRESO's skipping of prompts whose recent groups had 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 
 from trace_lightning.allocators import bare_reward
 from trace_lightning.tree import RolloutTree
+
+log = logging.getLogger(__name__)
 
 # (prompt id, step of the last record, discounted successes s, discounted rollouts n)
 Outcome = tuple[str, int, float, float]
@@ -114,8 +117,14 @@ class PromptHistory:
                 "counts": {k: list(v) for k, v in self._counts.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.strength, self.decay = state["strength"], state["decay"]
-        self.belief = state.get("belief", False)
+        """The prompts' counts come back; ``strength``, ``decay`` and ``belief`` stay as
+        configured (a resumed run with new settings uses them, and says what changed)."""
+        saved = {k: state[k] for k in ("strength", "decay", "belief") if k in state}
+        changed = {k: v for k, v in saved.items() if v != getattr(self, k)}
+        if changed:
+            log.warning("model.history: the checkpoint's %s differ from this run's %s; the "
+                        "run's settings apply to the restored counts", changed,
+                        {k: getattr(self, k) for k in changed})
         self._counts = {k: (int(v[0]), float(v[1]), float(v[2]))
                         for k, v in state["counts"].items()}
 

@@ -410,7 +410,8 @@ class ReplayBuffer:
         return {"max_steps": self.max_steps, "steps": [s._asdict() for s in self.steps]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.max_steps = state["max_steps"]
+        """The kept steps come back, the newest ``max_steps`` as configured now (a resumed
+        run may keep more or fewer steps than the one that saved them)."""
         self.steps = deque((PredictorBatch(**s) for s in state["steps"]), maxlen=self.max_steps)
 
 
@@ -427,8 +428,8 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
 
     A random ``holdout`` share of the replay's prompts (``group``) is set aside with all their
     nodes; after each pass over the rest the held-out loss is measured and the predictor
-    keeps the weights of the best pass, or its weights from before the fit when no pass beat
-    them. (Without this the MLP memorises a few hundred nodes: measured on the demo, 20
+    keeps the weights of the best pass, or stays as it was before the fit (weights and feature
+    standardisation; each pass starts by standardising on the replay) when no pass beat it. (Without this the MLP memorises a few hundred nodes: measured on the demo, 20
     passes left a Brier score worse than the constant mean on the next step's nodes, and
     TRACE then filtered out most prompts as certain.) Holding out whole prompts measures
     what allocation needs, success on prompts the predictor has not fitted: a root and its
@@ -456,7 +457,6 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
     data = buffer.sample_all()
     device = predictor.feature_mean.device
     feats, depth, value, weight, group = (t.to(device) for t in data)  # (N, D), 4 x (N,)
-    predictor.set_normalisation(feats)
     n = len(value)
     groups = group.unique()  # (G,) sorted
     groups = groups[torch.randperm(len(groups), generator=generator).to(device)]  # (G,)
@@ -471,9 +471,11 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
                       else (feats[idx], depth[idx], value[idx], weight[idx]))
         return weighted_squared_error(predictor.predict(f, d), v.cpu(), w.cpu()).item()
 
+    # the predictor as it steered this step (its own standardisation) is the one to beat
     before = loss_on()
     best = loss_on(held) if n_held else math.inf
     best_state, kept = copy.deepcopy(predictor.state_dict()), 0
+    predictor.set_normalisation(feats)
     was_training = predictor.training
     updates = 0
     for epoch in range(1, epochs + 1):
