@@ -14,6 +14,7 @@ from trace_lightning.environment import (
     SearchEnvironment,
     format_passages,
     parse_turn,
+    through_first_stop,
 )
 from trace_lightning.models import AGENT_TAGS, read_corpus_texts, train_tokenizer
 from trace_lightning.retrieval import BM25Retriever
@@ -157,6 +158,27 @@ def test_custom_instruction(tokenizer, retriever):
     assert env.prompt("Who?")[1] == "Q: Who?\nA:"
 
 
+def test_instruction_may_hold_other_braces(tokenizer, retriever):
+    env = SearchEnvironment(tokenizer, retriever, use_chat_template=False,
+                            instruction='Reply like {"answer": "..."}.\nQ: {question}\n')
+    assert env.prompt("Who?")[1] == 'Reply like {"answer": "..."}.\nQ: Who?\n'
+
+
+@pytest.mark.parametrize("text, turn", [
+    # the engine stopped on a token that completed the stop string and carries more text
+    ("<think>x</think><answer>Paris</answer>.", "<think>x</think><answer>Paris</answer>"),
+    ("<search>Ed Wood</search>,\n", "<search>Ed Wood</search>"),
+    # the first stop string ends the turn, as it ended generation
+    ("<search>a</search><answer>b</answer>", "<search>a</search>"),
+    ("<think>no stop yet", "<think>no stop yet"),
+])
+def test_a_turn_ends_at_its_first_stop_string(text, turn):
+    assert through_first_stop(text) == turn
+    if turn.endswith("</answer>"):
+        assert parse_turn(text).kind == "invalid"  # what the whole token's text would give
+        assert parse_turn(through_first_stop(text)) == Action("answer", "Paris")
+
+
 def test_prompt_example_answer_is_never_scored(env):
     """The instruction shows ``<answer> Beijing </answer>``; a question whose gold is Beijing
     earns nothing unless the policy itself answers Beijing."""
@@ -199,7 +221,7 @@ def test_empty_answer_scores_zero(env):
     ("em", 0.3, "Barry", 1.0),
     # no shared token
     ("f1", 0.3, "George Bush", 0.0),
-    ("f1_threshold", 0.0, "George Bush", 1.0),  # F1 0 >= threshold 0
+    ("f1_threshold", 0.01, "George Bush", 0.0),  # F1 0 < any allowed threshold
 ])
 def test_reward_kinds(tokenizer, retriever, kind, threshold, answer, want):
     env = SearchEnvironment(tokenizer, retriever, reward=kind, f1_threshold=threshold)
@@ -269,3 +291,6 @@ def test_bad_reward_kind_is_a_clear_error(tokenizer, retriever):
 def test_bad_f1_threshold_fails_at_construction(tokenizer, retriever):
     with pytest.raises(ValueError, match="f1_threshold"):
         SearchEnvironment(tokenizer, retriever, reward="f1_threshold", f1_threshold=1.5)
+    # at 0 a missing answer (F1 0) would earn reward 1
+    with pytest.raises(ValueError, match=r"--data.env.f1_threshold \(0.0\) must be in \(0, 1\]"):
+        SearchEnvironment(tokenizer, retriever, reward="f1_threshold", f1_threshold=0.0)

@@ -167,3 +167,18 @@ def test_importing_bm25_keeps_jax_off_the_gpu():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == ["cuda", "false"]
+
+
+def test_a_validation_set_on_the_training_corpus_shares_its_index(shared_data, tmp_path):
+    """``EvalSet(corpus=None)`` means the training retriever: one BM25 index in memory, not
+    a second copy of the same corpus (wiki-18 is millions of passages)."""
+    from trace_lightning.data import TraceDataModule
+
+    corpus = str(shared_data / "2wikimultihopqa" / "corpus.jsonl")
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"id": "1", "title": "T", "text": "another corpus"}\n')
+    dm = TraceDataModule(train="unused.jsonl", corpus=corpus)
+    training = dm._retriever(corpus)
+    assert dm._retriever(None) is training
+    assert dm._retriever(str(other)) is not training
+    assert len(dm._retrievers) == 2

@@ -76,3 +76,5 @@ def test_reward_from_scores():
         reward_from_scores(1.0, 1.0, "accuracy")
     with pytest.raises(ValueError, match="f1_threshold"):
         reward_from_scores(1.0, 1.0, "f1_threshold", f1_threshold=2.0)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        reward_from_scores(0.0, 0.0, "f1_threshold", f1_threshold=0.0)

@@ -394,8 +394,10 @@ def test_max_seq_tokens_ends_with_reward_zero(vllm_scripted, retriever, tokenize
     assert cut, "a search turn adds about 60 tokens to prompts of about 260"
     for tree, n in cut:
         assert n.action == "search" and (n.reward, n.em, n.f1) == (0.0, 0.0, 0.0)
-        assert len(tree.prefix_ids(n.parent)) + n.n_policy_tokens < limit
-        assert len(tree.prefix_ids(n.id)) >= limit
+        # its observation would not have fitted: the leaf ends on the search, within the limit
+        assert n.observation == "" and n.n_policy_tokens == len(n.token_ids)
+        assert len(tree.prefix_ids(n.id)) < limit
+        assert len(tree.prefix_ids(n.id)) + len(env.observe([n.argument])[0][0]) >= limit
     for tree in trees:
         check_tree(tree, tokenizer, env)
         assert all(len(tree.prefix_ids(p.id)) < limit for p in tree.prefixes())

@@ -296,11 +296,17 @@ class TraceDataModule(L.LightningDataModule):
             self.engine = self.engine_cfg.build(self.policy_path, self.seed, device)
 
     def _retriever(self, corpus: str | None) -> Retriever:
-        key = corpus or self.retriever_url or ""
-        if key not in self._retrievers:
-            self._retrievers[key] = (BM25Retriever(corpus) if corpus
-                                     else HTTPRetriever(self.retriever_url) if self.retriever_url
-                                     else BM25Retriever(self.corpus))
+        """BM25 over ``corpus``; None: the retrieval server, or else the training corpus.
+        One retriever per corpus or server (a validation set on the training corpus shares
+        the training retriever's index)."""
+        if corpus is None and self.retriever_url:
+            key = self.retriever_url
+            if key not in self._retrievers:
+                self._retrievers[key] = HTTPRetriever(key)
+        else:
+            key = corpus or self.corpus
+            if key not in self._retrievers:
+                self._retrievers[key] = BM25Retriever(key)
         return self._retrievers[key]
 
     def _env(self, corpus: str | None) -> SearchEnvironment:

@@ -91,6 +91,16 @@ def parse_turn(text: str) -> Action:
     return Action(kind, arg)  # type: ignore[arg-type]
 
 
+def through_first_stop(text: str, stops: Sequence[str] = STOP_STRINGS) -> str:
+    """``text`` up to the end of its first stop string (all of it when there is none).
+
+    Engines stop on the token that completes a stop string and keep that whole token, so a
+    byte-level BPE turn can end ``</answer>.`` (``>.`` one token); the turn is what came
+    before, and the rest of that token is not text after the action."""
+    ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
+    return text[: min(ends)] if ends else text
+
+
 def format_passages(passages: Sequence[Passage]) -> str:
     """Search-R1's observation body: ``Doc i(Title: T) text`` lines."""
     return "".join(f"Doc {i + 1}(Title: {p.title}) {p.text}\n" for i, p in enumerate(passages))
@@ -124,8 +134,9 @@ class SearchEnvironment:
         if reward not in ("em", "f1", "f1_threshold"):
             raise ValueError(f"--data.env.reward ({reward!r}) must be one of 'em', 'f1', "
                              f"'f1_threshold'")
-        if not 0.0 <= f1_threshold <= 1.0:
-            raise ValueError(f"--data.env.f1_threshold ({f1_threshold}) must be in [0, 1]")
+        if not 0.0 < f1_threshold <= 1.0:
+            raise ValueError(f"--data.env.f1_threshold ({f1_threshold}) must be in (0, 1]: at "
+                             f"0 every answer, even a missing one (F1 0), would earn reward 1")
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.topk, self.max_turns = topk, max_turns
@@ -140,7 +151,8 @@ class SearchEnvironment:
 
     def prompt(self, question: str) -> tuple[list[int], str]:
         """Token ids and text of the root prompt for ``question``."""
-        text = self.instruction.format(question=question.strip())
+        # not str.format: an instruction may hold other braces (a JSON example)
+        text = self.instruction.replace("{question}", question.strip())
         if self.use_chat_template and self.tokenizer.chat_template:
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)

@@ -76,8 +76,8 @@ def reward_from_scores(em: float, f1: float,
     if kind == "f1":
         return float(f1)
     if kind == "f1_threshold":
-        if not 0.0 <= f1_threshold <= 1.0:
-            raise ValueError(f"f1_threshold ({f1_threshold}) must be in [0, 1]; the paper's "
-                             f"reading of a correct answer is 0.3")
+        if not 0.0 < f1_threshold <= 1.0:
+            raise ValueError(f"f1_threshold ({f1_threshold}) must be in (0, 1] (at 0 a missing "
+                             f"answer earns 1); the paper's reading of a correct answer is 0.3")
         return 1.0 if f1 >= f1_threshold else 0.0
     raise ValueError(f"reward kind {kind!r} is not one of 'em', 'f1', 'f1_threshold'")

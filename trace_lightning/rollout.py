@@ -17,7 +17,7 @@ import numpy as np
 
 from trace_lightning.datasets import QAExample
 from trace_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
-from trace_lightning.environment import SearchEnvironment, parse_turn
+from trace_lightning.environment import SearchEnvironment, parse_turn, through_first_stop
 from trace_lightning.tree import Budget, RolloutTree
 
 
@@ -87,7 +87,9 @@ class AgentLoop:
         room = [max(self.env.max_seq_tokens - len(t.ids), 0) for t in live]
         cut = [len(c.token_ids) > r for c, r in zip(outs, room)]  # hit the context limit
         gen = [list(c.token_ids[:r]) for c, r in zip(outs, room)]
-        actions = [parse_turn(self.env.tokenizer.decode(g)) for g in gen]
+        # parsed up to the stop string: the token that completed it may carry more text
+        actions = [parse_turn(through_first_stop(self.env.tokenizer.decode(g), self.env.stop))
+                   for g in gen]
         searching = [i for i, t in enumerate(live) if actions[i].kind == "search" and not cut[i]
                      and t.tree.nodes[t.node].depth + 1 < self.env.max_turns]
         queries = [actions[i].argument for i in searching]
@@ -104,7 +106,10 @@ class AgentLoop:
             elif i not in observations:
                 finish = "max_turns"
             elif len(t.ids) + len(g) + len(obs_ids) >= self.env.max_seq_tokens:
-                finish = "max_tokens"
+                # the observation would not fit: the episode ends on the search and stays
+                # within max_seq_tokens (tool_calls counts observations the trees hold)
+                finish, obs_ids, obs_text = "max_tokens", [], ""
+                spent.tool_calls = 0
             else:
                 finish = ""
             node = t.tree.add_child(
