@@ -429,9 +429,10 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
     A random ``holdout`` share of the replay's prompts (``group``) is set aside with all their
     nodes; after each pass over the rest the held-out loss is measured and the predictor
     keeps the weights of the best pass, or stays as it was before the fit (weights and feature
-    standardisation; each pass starts by standardising on the replay) when no pass beat it. (Without this the MLP memorises a few hundred nodes: measured on the demo, 20
-    passes left a Brier score worse than the constant mean on the next step's nodes, and
-    TRACE then filtered out most prompts as certain.) Holding out whole prompts measures
+    standardisation; the passes start by standardising on the replay) when no pass beat it.
+    (Without this the MLP memorises a few hundred nodes: measured on the demo, 20 passes left
+    a Brier score worse than the constant mean on the next step's nodes, and TRACE then
+    filtered out most prompts as certain.) Holding out whole prompts measures
     what allocation needs, success on prompts the predictor has not fitted: a root and its
     prefixes share the question, so a node-level split rewards memorising questions.
     ``holdout=0``, a replay of under 10 entries or of one prompt, trains on everything for
