@@ -160,8 +160,11 @@ def test_slow_server_times_out():
         client = HTTPRetriever(url, timeout_s=0.3, retries=1, backoff_s=0.05)
         start = time.monotonic()
         with pytest.raises(RetrieverError, match=r"2 attempt\(s\).*no answer within "
-                                                 r"timeout_s=0.3 s"):
+                                                 r"timeout_s=0.3 s") as info:
             client.search(["who"], 3)
+        # a server that answers too slowly is up: the fix is more time, not starting one
+        assert "--data.retriever_timeout_s" in str(info.value)
+        assert "Is the server running" not in str(info.value)
         assert time.monotonic() - start < 2 * 0.3 + 0.05 + 1.0
     finally:
         server.shutdown()
@@ -228,3 +231,28 @@ def test_console_entry_serves_a_corpus(shared_data, tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_environment_cuts_queries_to_what_the_server_takes(server_url):
+    from trace_lightning.environment import SearchEnvironment
+    from trace_lightning.models import AGENT_TAGS, train_tokenizer
+
+    tokenizer = train_tokenizer(["who directed the film", " ".join(AGENT_TAGS)], 300,
+                                AGENT_TAGS)
+    query = "who directed " + "the film " * 30  # 283 characters; this server takes 200
+    client = HTTPRetriever(server_url)
+    with pytest.raises(RetrieverError, match="HTTP 413"):
+        client.search([query], 2)
+    env = SearchEnvironment(tokenizer, client, topk=2, use_chat_template=False,
+                            max_query_chars=LIMITS["max_query_chars"])
+    ((ids, text),) = env.observe([query])
+    assert ids and "Doc 1(Title:" in text
+
+
+def test_datamodule_gives_the_client_its_timeout_and_retries(server_url):
+    from trace_lightning.data import TraceDataModule
+
+    dm = TraceDataModule(train="unused.jsonl", retriever_url=server_url,
+                         retriever_timeout_s=42.0, retriever_retries=5)
+    client = dm._retriever(None)
+    assert isinstance(client, HTTPRetriever) and (client.timeout_s, client.retries) == (42.0, 5)

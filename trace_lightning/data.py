@@ -110,6 +110,8 @@ class EnvConfig:
         max_turns: turns before an episode is cut.
         max_obs_tokens: an observation is cut to this many tokens.
         max_seq_tokens: a trajectory's total tokens before it is cut.
+        max_query_chars: a search query is cut to this many characters (a retrieval
+            server refuses longer ones: ``trace-lightning-retriever --max-query-chars``).
         instruction: the prompt with ``{question}``.
         use_chat_template: wrap the prompt in the tokenizer's chat template.
         reward: "em", "f1" or "f1_threshold".
@@ -120,6 +122,7 @@ class EnvConfig:
     max_turns: int = 4
     max_obs_tokens: int = 256
     max_seq_tokens: int = 2048
+    max_query_chars: int = 2000
     instruction: str = SEARCH_R1_INSTRUCTION
     use_chat_template: bool = True
     reward: Literal["em", "f1", "f1_threshold"] = "em"
@@ -152,6 +155,9 @@ class TraceDataModule(L.LightningDataModule):
         train: training questions, QA JSONL (ignored when ``demo`` is set).
         corpus: BM25 corpus JSONL for the training questions (or use ``retriever_url``).
         retriever_url: a Search-R1 retrieval server (``trace-lightning-retriever``).
+        retriever_timeout_s: seconds one request to the server may take (a large index
+            answering a batch of queries needs more than a small one).
+        retriever_retries: extra attempts after a timeout, a lost connection or a 5xx answer.
         val: validation sets.
         policy_path: the policy's directory (linked from ``model.policy_path``).
         engine: the rollout engine.
@@ -178,7 +184,8 @@ class TraceDataModule(L.LightningDataModule):
     """
 
     def __init__(self, train: str | None = None, corpus: str | None = None,
-                 retriever_url: str | None = None, val: list[EvalSet] | None = None,
+                 retriever_url: str | None = None, retriever_timeout_s: float = 10.0,
+                 retriever_retries: int = 2, val: list[EvalSet] | None = None,
                  policy_path: str = "", engine: EngineConfig | None = None,
                  env: EnvConfig | None = None, sampling: SamplingConfig | None = None,
                  val_temperature: float = 0.0, val_samples: int = 1,
@@ -192,6 +199,7 @@ class TraceDataModule(L.LightningDataModule):
         # a validation set smaller than the number of ranks leaves some ranks empty
         self.allow_zero_length_dataloader_with_multiple_devices = True
         self.train_path, self.corpus, self.retriever_url = train, corpus, retriever_url
+        self.retriever_timeout_s, self.retriever_retries = retriever_timeout_s, retriever_retries
         self.val_sets = list(val or [])
         self.policy_path = policy_path
         self.engine_cfg = engine or EngineConfig()
@@ -280,7 +288,7 @@ class TraceDataModule(L.LightningDataModule):
                 f"saved with save_pretrained (model and tokenizer), or set --data.demo so the "
                 f"demo policy is built there")
         if self.retriever_url:
-            HTTPRetriever(self.retriever_url).check()  # fail before any work starts
+            self._http_retriever().check()  # fail before any work starts
         if stage == "fit" and not self.train_examples:
             self.train_examples = load_qa(self.train_path, limit=self.train_limit)
         if not self.val_examples:
@@ -302,18 +310,23 @@ class TraceDataModule(L.LightningDataModule):
         if corpus is None and self.retriever_url:
             key = self.retriever_url
             if key not in self._retrievers:
-                self._retrievers[key] = HTTPRetriever(key)
+                self._retrievers[key] = self._http_retriever()
         else:
             key = corpus or self.corpus
             if key not in self._retrievers:
                 self._retrievers[key] = BM25Retriever(key)
         return self._retrievers[key]
 
+    def _http_retriever(self) -> HTTPRetriever:
+        return HTTPRetriever(self.retriever_url, timeout_s=self.retriever_timeout_s,
+                             retries=self.retriever_retries)
+
     def _env(self, corpus: str | None) -> SearchEnvironment:
         c = self.env_cfg
         return SearchEnvironment(self.tokenizer, self._retriever(corpus), topk=c.topk,
                                  max_turns=c.max_turns, max_obs_tokens=c.max_obs_tokens,
-                                 max_seq_tokens=c.max_seq_tokens, instruction=c.instruction,
+                                 max_seq_tokens=c.max_seq_tokens,
+                                 max_query_chars=c.max_query_chars, instruction=c.instruction,
                                  use_chat_template=c.use_chat_template, reward=c.reward,
                                  f1_threshold=c.f1_threshold)
 

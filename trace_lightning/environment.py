@@ -116,6 +116,8 @@ class SearchEnvironment:
         max_turns: turns before the episode is cut (reward 0, ``max_turns``).
         max_obs_tokens: an observation's body is cut to this many tokens.
         max_seq_tokens: a trajectory's total tokens before it is cut (``max_tokens``).
+        max_query_chars: a search query is cut to this many characters before retrieval (a
+            retrieval server refuses longer ones, and no real query is that long).
         instruction: the prompt, with ``{question}``; defaults to Search-R1's.
         use_chat_template: wrap the prompt in the tokenizer's chat template when it has one.
         reward: "em", "f1", or "f1_threshold" (1 when F1 >= ``f1_threshold``).
@@ -126,11 +128,14 @@ class SearchEnvironment:
 
     def __init__(self, tokenizer, retriever: Retriever, topk: int = 3, max_turns: int = 4,
                  max_obs_tokens: int = 256, max_seq_tokens: int = 2048,
-                 instruction: str = SEARCH_R1_INSTRUCTION, use_chat_template: bool = True,
+                 max_query_chars: int = 2000, instruction: str = SEARCH_R1_INSTRUCTION,
+                 use_chat_template: bool = True,
                  reward: Literal["em", "f1", "f1_threshold"] = "em", f1_threshold: float = 0.3):
         if "{question}" not in instruction:
             raise ValueError(f"--data.env.instruction must contain '{{question}}'; got "
                              f"{instruction[:80]!r}")
+        if max_query_chars < 1:
+            raise ValueError(f"--data.env.max_query_chars ({max_query_chars}) must be >= 1")
         if reward not in ("em", "f1", "f1_threshold"):
             raise ValueError(f"--data.env.reward ({reward!r}) must be one of 'em', 'f1', "
                              f"'f1_threshold'")
@@ -141,6 +146,7 @@ class SearchEnvironment:
         self.retriever = retriever
         self.topk, self.max_turns = topk, max_turns
         self.max_obs_tokens, self.max_seq_tokens = max_obs_tokens, max_seq_tokens
+        self.max_query_chars = max_query_chars
         self.instruction, self.use_chat_template = instruction, use_chat_template
         self.reward_kind, self.f1_threshold = reward, f1_threshold
         self._obs_open = self._encode("\n\n<information>")
@@ -162,7 +168,8 @@ class SearchEnvironment:
         """One batched retriever call; token ids and text of each observation."""
         if not queries:
             return []
-        results = self.retriever.search(queries, self.topk)
+        results = self.retriever.search([q[: self.max_query_chars] for q in queries],
+                                        self.topk)
         out = []
         for passages in results:
             body = self._encode(format_passages(passages))[: self.max_obs_tokens]

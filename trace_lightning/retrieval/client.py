@@ -107,7 +107,7 @@ class HTTPRetriever:
         url = self.url + path
         data = None if payload is None else json.dumps(payload).encode()
         attempts = self.retries + 1
-        failure = ""
+        failure, timed_out = "", False
         for attempt in range(attempts):
             if attempt:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
@@ -125,13 +125,12 @@ class HTTPRetriever:
                 failure = f"HTTP {e.code}: {message}"
                 continue
             except TimeoutError:
-                failure = f"no answer within timeout_s={self.timeout_s} s"
+                failure, timed_out = f"no answer within timeout_s={self.timeout_s} s", True
                 continue
             except urllib.error.URLError as e:
-                if isinstance(e.reason, TimeoutError):
-                    failure = f"no answer within timeout_s={self.timeout_s} s"
-                else:
-                    failure = f"cannot connect ({e.reason})"
+                timed_out = isinstance(e.reason, TimeoutError)
+                failure = (f"no answer within timeout_s={self.timeout_s} s" if timed_out
+                           else f"cannot connect ({e.reason})")
                 continue
             except (OSError, http.client.HTTPException) as e:
                 failure = f"connection failed ({type(e).__name__}: {e})"
@@ -142,9 +141,13 @@ class HTTPRetriever:
                 raise RetrieverError(f"retriever {url} answered with a body that is not JSON "
                                      f"({e}): {body[:200]!r}; is {self.url} a retrieval "
                                      f"server?") from None
+        fix = (f"If the server is busy (a large index, a batch of {self.batch_size} queries), "
+               f"allow it more: timeout_s (--data.retriever_timeout_s) or retries "
+               f"(--data.retriever_retries)" if timed_out
+               else f"Is the server running? {_FIX}")
         raise RetrieverError(f"retriever {url} failed after {attempts} attempt(s) "
                              f"(timeout_s={self.timeout_s}, retries={self.retries}); last "
-                             f"failure: {failure}. Is the server running? {_FIX}")
+                             f"failure: {failure}. {fix}")
 
     def _parse(self, data: object, n_queries: int) -> list[list[Passage]]:
         """``{"result": [[{"document": doc, "score": s} | doc, ...], ...]}`` -> passages."""
