@@ -87,15 +87,15 @@ class AgentLoop:
         room = [max(self.env.max_seq_tokens - len(t.ids), 0) for t in live]
         cut = [len(c.token_ids) > r for c, r in zip(outs, room)]  # hit the context limit
         gen = [list(c.token_ids[:r]) for c, r in zip(outs, room)]
+        texts = [self.env.tokenizer.decode(g) for g in gen]
         # parsed up to the stop string: the token that completed it may carry more text
-        actions = [parse_turn(through_first_stop(self.env.tokenizer.decode(g), self.env.stop))
-                   for g in gen]
+        actions = [parse_turn(through_first_stop(x, self.env.stop)) for x in texts]
         searching = [i for i, t in enumerate(live) if actions[i].kind == "search" and not cut[i]
                      and t.tree.nodes[t.node].depth + 1 < self.env.max_turns]
         queries = [actions[i].argument for i in searching]
         observations = dict(zip(searching, self.env.observe(queries)))
         still: list[_Live] = []
-        for i, (t, c, g, a) in enumerate(zip(live, outs, gen, actions)):
+        for i, (t, c, g, a, text) in enumerate(zip(live, outs, gen, actions, texts)):
             obs_ids, obs_text = observations.get(i, ([], ""))
             spent = Budget(generated_tokens=len(g), prefill_tokens=len(t.ids),
                            cached_tokens=c.cached_tokens, tool_calls=int(i in observations))
@@ -116,7 +116,7 @@ class AgentLoop:
                 t.node, rollout=t.rollout, token_ids=g + list(obs_ids),
                 logprobs=list(c.logprobs[: len(g)]) + [0.0] * len(obs_ids),
                 policy_mask=[1] * len(g) + [0] * len(obs_ids),
-                text=self.env.tokenizer.decode(g), observation=obs_text, action=a.kind,
+                text=text, observation=obs_text, action=a.kind,
                 argument=a.argument if a.kind != "invalid" else a.error,
                 finished=bool(finish), finish_reason=finish)
             if finish:
