@@ -122,7 +122,7 @@ class HTTPRetriever:
                 if 400 <= e.code < 500:
                     raise RetrieverError(f"retriever {url} refused the request with HTTP "
                                          f"{e.code}: {message}", status=e.code) from None
-                failure = f"HTTP {e.code}: {message}"
+                failure, timed_out = f"HTTP {e.code}: {message}", False
                 continue
             except TimeoutError:
                 failure, timed_out = f"no answer within timeout_s={self.timeout_s} s", True
@@ -133,7 +133,7 @@ class HTTPRetriever:
                            else f"cannot connect ({e.reason})")
                 continue
             except (OSError, http.client.HTTPException) as e:
-                failure = f"connection failed ({type(e).__name__}: {e})"
+                failure, timed_out = f"connection failed ({type(e).__name__}: {e})", False
                 continue
             try:
                 return json.loads(body)
