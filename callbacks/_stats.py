@@ -96,12 +96,16 @@ def integer_bins(values: Sequence[float]) -> np.ndarray:
 
 
 # ---- trees -----------------------------------------------------------------------------------
-def bare_rewards(tree: RolloutTree) -> list[float]:
-    """Each bare rollout's own terminal reward (first-child chain from the root's child);
-    chains that stop unfinished or unscored are skipped."""
+def bare_rewards(tree: RolloutTree, stage1: int | None = None) -> list[float]:
+    """Each stage-1 bare rollout's own terminal reward (first-child chain from the root's
+    child); chains that stop unfinished or unscored are skipped. ``stage1``: the planned bare
+    rollouts (indices below it); later ones re-spent budget no prefix could take, so they are
+    not what stage 1 alone gave (None: every bare rollout)."""
     out = []
     for start in tree.bare_rollouts():
         node = tree.nodes[start]
+        if stage1 is not None and node.rollout >= stage1:
+            continue
         while not node.finished and node.children:
             node = tree.nodes[node.children[0]]
         if node.finished and node.reward is not None:
@@ -123,7 +127,7 @@ class TreeSummary:
     mixed: bool
 
 
-def summarize_tree(tree: RolloutTree) -> TreeSummary:
+def summarize_tree(tree: RolloutTree, stage1: int | None = None) -> TreeSummary:
     leaves = tree.leaves()
     by_rollout: dict[int, list[float]] = {}
     for n in leaves:
@@ -132,7 +136,7 @@ def summarize_tree(tree: RolloutTree) -> TreeSummary:
     return TreeSummary(
         leaf_rewards=[float(n.reward or 0.0) for n in leaves],
         subtree_rewards=[by_rollout[k] for k in sorted(by_rollout)],
-        bare_rewards=bare_rewards(tree),
+        bare_rewards=bare_rewards(tree, stage1),
         em=[float(n.em) for n in leaves if n.em is not None],
         f1=[float(n.f1) for n in leaves if n.f1 is not None],
         branch_continuations=[n.continuations for n in branched],
@@ -159,7 +163,9 @@ class StepSummary:
 
 def summarize_step(step: RolloutStep) -> StepSummary:
     return StepSummary(
-        epoch=step.epoch, trees=[summarize_tree(t) for t in step.trees],
+        epoch=step.epoch,
+        trees=[summarize_tree(t, m) for t, m in
+               zip(step.trees, step.stage1 or [None] * len(step.trees), strict=True)],
         advantages=[float(s.advantage) for s in step.sequences],
         policy_tokens=sum(sum(s.policy_mask) for s in step.sequences),
         sequence_tokens=sum(len(s.input_ids) for s in step.sequences),

@@ -229,6 +229,21 @@ def test_split_over_ranks_merges_to_the_same_metrics():
     assert reward_variance_metrics(summarize_step(r0))["rollout/effective_ratio"] == 0.5
 
 
+def test_bare_share_leaves_out_bare_rollouts_that_respent_unused_budget():
+    """B gets a third bare rollout (index 2) that succeeds, from continuation budget no prefix
+    could take: the tree is mixed, but stage 1 (B's planned 2 rollouts, {0, 0}) was not."""
+    trees = build_trees()
+    _turn(trees[1], 0, 2, action="answer", reward=1.0, f1=1.0)
+    step = build_step(trees=trees)
+    step.stage1 = [2, 2, 2]
+    got = reward_variance_metrics(summarize_step(step))
+    assert got["rollout/zero_std_share_bare"] == pytest.approx(2 / 3)  # B and C, as before
+    assert got["rollout/effective_ratio"] == pytest.approx(1.0)  # B's tree is mixed now
+    step.stage1 = []  # unknown (a step built without it): every bare rollout counts
+    assert reward_variance_metrics(summarize_step(step))["rollout/zero_std_share_bare"] \
+        == pytest.approx(1 / 3)
+
+
 def test_empty_and_uniform_steps_log_what_is_defined():
     empty = summarize_step(build_step(trees=[], root_plan=[0] * 5))
     assert reward_variance_metrics(empty) == {}

@@ -38,6 +38,9 @@ class RolloutStep:
     unspent: int = 0  # continuations no prefix could take, spent as extra bare rollouts
     seconds: dict[str, float] = field(default_factory=dict)  # rollout/predict/... wall time
     cold_start: bool = False
+    # per tree of ``trees``, its stage-1 (planned) bare rollouts: indices 0..m-1; budget no
+    # prefix could take adds bare rollouts after them (``unspent``). Empty: all are stage 1.
+    stage1: list[int] = field(default_factory=list)
 
 
 def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAExample],
@@ -101,7 +104,7 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     return RolloutStep(epoch=epoch, trees=chosen, candidates=len(candidates),
                        root_plan=list(plan.rollouts), sequences=sequences, budget=budget,
                        pool_returned=pool_returned, unspent=unspent, seconds=seconds,
-                       cold_start=plan.cold_start)
+                       cold_start=plan.cold_start, stage1=[m for _, m in opened])
 
 
 def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:
