@@ -12,8 +12,9 @@ At epoch start (the step is ready, see ``callbacks._common``), over all ranks:
 
 At epoch end: ``perf/train_s`` (time inside training batches, slowest rank: validation and
 rollouts excluded), ``perf/train_tokens_per_s`` (policy tokens, the ones the loss trains on,
-of every rank / ``train_s``), ``perf/train_all_tokens_per_s`` (all sequence tokens, what the
-forward passes read), ``perf/epoch_s`` (wall time since the previous epoch ended: rollout +
+of every rank, times the datamodule's ``ppo_epochs`` passes / ``train_s``),
+``perf/train_all_tokens_per_s`` (all sequence tokens, what the forward passes read; both only
+for an epoch with a rollout step), ``perf/epoch_s`` (wall time since the previous epoch ended: rollout +
 training + validation), ``perf/rss_gb`` and ``perf/peak_rss_gb`` (host memory of the
 largest rank, current and peak), and on CUDA ``perf/cuda_max_allocated_gb`` /
 ``perf/cuda_max_reserved_gb`` (peak since start, largest rank).
@@ -51,7 +52,8 @@ class Throughput(pl.Callback):
             raise ValueError(f"Throughput every_n_epochs ({every_n_epochs}) must be >= 1")
         self.every_n_epochs = every_n_epochs
         self.last_metrics: dict[str, float] = {}
-        self._epoch_tokens = (0, 0)  # (policy, all) tokens of the step, every rank's
+        # (policy, all) tokens trained on this epoch, every rank's; None: no rollout step
+        self._epoch_tokens: tuple[int, int] | None = None
         self._train_s = 0.0
         self._batch_tic: float | None = None
         self._last_epoch_end: float | None = None
@@ -67,7 +69,7 @@ class Throughput(pl.Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_s = 0.0
-        self._epoch_tokens = (0, 0)
+        self._epoch_tokens = None
         if not self._due(trainer):
             return
         dm = check_datamodule(trainer, "Throughput")
@@ -76,7 +78,9 @@ class Throughput(pl.Callback):
         sync_s = [s for s in gather(trainer, dm.timings.get("sync")) if s is not None]
         out: dict[str, float] = {}
         if summary is not None:
-            self._epoch_tokens = (summary.policy_tokens, summary.sequence_tokens)  # all ranks'
+            passes = getattr(dm, "ppo_epochs", 1)  # each pass trains on every leaf once
+            self._epoch_tokens = (summary.policy_tokens * passes,
+                                  summary.sequence_tokens * passes)
             b, sec = summary.budget, summary.seconds
             out["perf/rollout_tokens_per_s"] = ratio(b.get("generated_tokens", 0),
                                                      sec.get("rollout", 0.0))
@@ -116,11 +120,12 @@ class Throughput(pl.Callback):
         parts = gather(trainer, mine)
         train_s = max(p["train_s"] for p in parts)
         out = {"perf/train_s": train_s,
-               "perf/train_tokens_per_s": ratio(self._epoch_tokens[0], train_s),
-               "perf/train_all_tokens_per_s": ratio(self._epoch_tokens[1], train_s),
                "perf/epoch_s": max(p["epoch_s"] for p in parts),
                "perf/rss_gb": max(p["rss"] for p in parts),
                "perf/peak_rss_gb": max(p["peak_rss"] for p in parts)}
+        if self._epoch_tokens is not None:  # the same on every rank (gathered at start)
+            out["perf/train_tokens_per_s"] = ratio(self._epoch_tokens[0], train_s)
+            out["perf/train_all_tokens_per_s"] = ratio(self._epoch_tokens[1], train_s)
         if "cuda_alloc" in mine:
             out["perf/cuda_max_allocated_gb"] = max(p["cuda_alloc"] for p in parts)
             out["perf/cuda_max_reserved_gb"] = max(p["cuda_reserved"] for p in parts)

@@ -205,6 +205,22 @@ def test_values_of_the_hand_built_step(run):
     assert e0 == pytest.approx(tokens, rel=1e-4)
 
 
+def test_train_tokens_count_every_ppo_pass_and_only_epochs_with_a_step(tmp_path):
+    """Two passes over the step's leaves train on twice its tokens; an epoch whose datamodule
+    holds no step for it (here epoch 1 finds a step of epoch 5) logs no token rates."""
+    dm = StepData([build_step(0), build_step(5)])
+    dm.ppo_epochs = 2
+    t = trainer(tmp_path, [Throughput()], max_epochs=2)
+    with pytest.warns(UserWarning, match="no rollout step for epoch 1"):
+        t.fit(TinyModule(), datamodule=dm)
+    acc = read_events(t.logger.log_dir)
+    tokens = sum(sum(s.policy_mask) for s in build_step().sequences)
+    (rate,), (secs, _) = acc.Scalars("perf/train_tokens_per_s"), acc.Scalars("perf/train_s")
+    assert rate.step == secs.step and rate.value * secs.value == pytest.approx(2 * tokens,
+                                                                                rel=1e-4)
+    assert len(acc.Scalars("perf/train_all_tokens_per_s")) == 1
+
+
 def test_histograms(run):
     h = run["events"].Histograms("alloc/leaves_per_prompt")[0].histogram_value
     assert (h.num, h.sum, h.min, h.max) == (3, 10, 3, 4)
