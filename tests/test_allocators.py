@@ -136,6 +136,19 @@ def test_exploration_is_seeded_and_disjoint_from_the_solver():
     assert len({plan(s).random_picks.index(True) for s in range(10)}) > 1
 
 
+def test_exploration_picks_agree_across_ranks_after_rank_local_random_prefixes():
+    """Ranks plan the same global roots but spread cold-start prefixes over their own trees
+    (different counts): the next step's exploration picks must still agree, or a prompt
+    would be rolled out on two ranks and another on none."""
+    ranks = [allocator("trace", explore_fraction=0.5, cold_start_nodes=100, seed=5)
+             for _ in range(2)]
+    for alloc, n_trees in zip(ranks, (1, 2)):  # e.g. 3 opened prompts split rank 0::2, 1::2
+        cold = alloc.plan_roots(30, None, predictor_nodes_seen=0)
+        alloc.plan_prefixes(trees_for(cold)[:n_trees], cold_start=True)
+    warm = [a.plan_roots(30, predictions(30), predictor_nodes_seen=100) for a in ranks]
+    assert warm[0].random_picks == warm[1].random_picks and any(warm[0].random_picks)
+
+
 def test_state_dict_round_trip_gives_the_same_next_plan():
     alloc = allocator("trace", explore_fraction=0.5, seed=11)
     alloc.plan_roots(30, predictions(30))

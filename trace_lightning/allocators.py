@@ -135,7 +135,10 @@ class Allocator:
         explore_fraction: share of the root budget given to random prompts (solved kinds).
         cold_start_nodes: predictor training nodes needed before ``prompt``/``trace`` trust it.
         max_continuations_per_prefix: most continuations from one prefix (None: no limit).
-        seed: seed of the allocator's RNG (exploration and random prefixes).
+        seed: seed of the allocator's RNGs: one for exploration picks, drawn in
+            ``plan_roots`` (identically on every rank: all plan the same global step), one
+            for random prefixes, drawn in ``plan_prefixes`` (per rank, over its own trees, so
+            its draws differ between ranks and must not move the exploration stream).
     """
 
     def __init__(self, kind: Kind, roots: int, continuations: int, max_rollouts_per_prompt: int,
@@ -181,7 +184,8 @@ class Allocator:
         self.cold_start_nodes = cold_start_nodes
         self.max_continuations_per_prefix = max_continuations_per_prefix
         self.seed = seed
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(seed)  # random prefixes (rank-local draws)
+        self._explore_rng = np.random.default_rng([seed, 1])  # exploration (global draws)
 
         # the uniform schedule this kind may use: L/G (uniform, prompt) or M/G prompts of G
         can_be_uniform = kind in ("uniform", "random_tree") or (
@@ -280,7 +284,8 @@ class Allocator:
             raise ValueError(f"{cand} ({n_candidates}) leaves {len(unchosen)} prompts outside the "
                              f"solver's choice, fewer than the {n_explore} exploration prompts; "
                              f"raise it or lower --data.allocator.explore_fraction")
-        picks = self._rng.choice(len(unchosen), size=n_explore, replace=False) if n_explore else []
+        picks = (self._explore_rng.choice(len(unchosen), size=n_explore, replace=False)
+                 if n_explore else [])
         random_picks = [False] * n_candidates
         for j in sorted(int(x) for x in picks):
             rollouts[unchosen[j]] = self.group_size
@@ -332,8 +337,11 @@ class Allocator:
 
     # ---- resume ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The RNG state (plain dicts and ints), for an exact resume."""
-        return {"rng": self._rng.bit_generator.state}
+        """The RNG states (plain dicts and ints), for an exact resume."""
+        return {"rng": self._rng.bit_generator.state,
+                "explore_rng": self._explore_rng.bit_generator.state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._rng.bit_generator.state = state["rng"]
+        if "explore_rng" in state:  # checkpoints before it kept one RNG: exploration restarts
+            self._explore_rng.bit_generator.state = state["explore_rng"]
