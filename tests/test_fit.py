@@ -384,6 +384,8 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
     strategy = {"class_path": "trace_lightning.strategies.CPUFSDPStrategy",
                 "init_args": {"auto_wrap_policy": [
                     "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer"],
+                    "activation_checkpointing_policy": [
+                        "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer"],
                     "state_dict_type": "sharded"}}
     args = demo_args(demo_dir, tmp_path, 1, "--trainer.devices=2",
                      f"--trainer.strategy={json.dumps(strategy)}", "--model.weight_decay=0.1")

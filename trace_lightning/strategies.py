@@ -16,6 +16,7 @@ import contextlib
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 
@@ -28,10 +29,14 @@ class CPUFSDPStrategy(FSDPStrategy):
                     device_id=torch.device("cpu"), **self.kwargs)
 
     def _setup_model(self, model):
+        # Lightning's, with device_id=cpu: wrap (unless configure_model did), then
+        # activation checkpointing, which must come after the wrapping
         if any(isinstance(m, FSDP) for m in model.modules()):
             self.kwargs.pop("auto_wrap_policy", None)
-            return model
-        return FSDP(module=model, **self._fsdp_kwargs())
+        else:
+            model = FSDP(module=model, **self._fsdp_kwargs())
+        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        return model
 
     @contextlib.contextmanager
     def model_sharded_context(self):
