@@ -2,10 +2,10 @@
 
 ``<dirpath>/last`` when training ends, and ``<dirpath>/epoch_<E>`` every ``every_n_epochs``
 epochs: config, safetensors weights, tokenizer and ``trace_lightning.json`` (epochs trained,
-optimizer steps), ready for ``AutoModelForCausalLM.from_pretrained`` or ``vllm serve``.
-Under FSDP the shards are gathered onto rank 0's CPU, which alone writes; every rank takes
-part in the gather. For a checkpoint after the fact: ``trace-lightning-export``
-(``trace_lightning/export.py``).
+the policy optimizer's steps), ready for ``AutoModelForCausalLM.from_pretrained`` or
+``vllm serve``. Under FSDP the shards are gathered onto rank 0's CPU, which alone writes;
+every rank takes part in the gather. For a checkpoint after the fact:
+``trace-lightning-export`` (``trace_lightning/export.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,25 @@ from pathlib import Path
 import lightning.pytorch as pl
 
 from trace_lightning.engines.sync import policy_weights
-from trace_lightning.export import save_policy
+from trace_lightning.export import export_dtype, save_policy
+
+
+def policy_optimizer_steps(trainer: pl.Trainer) -> int:
+    """Steps taken by the policy's optimizer: the first (``TraceModule.configure_optimizers``
+    returns ``[policy, predictor]``).
+
+    ``trainer.global_step`` is not that count under manual optimization: it counts every
+    ``LightningOptimizer.step`` made inside ``training_step``, the predictor's too wherever a
+    module steps it there (TraceModule steps it from ``train_dataloader``, which Lightning
+    does not count, so its global_step is the policy's today by accident of placement). The
+    optimizer's own count does not depend on where it is stepped, and is checkpointed with
+    it, so a resumed run continues it. Adam-family optimizers keep it per parameter
+    (``state[p]["step"]``; a parameter without a gradient skips a step, so the largest). An
+    optimizer that keeps none (plain SGD): ``trainer.global_step``, exact when it is the
+    only one.
+    """
+    counts = [int(s["step"]) for s in trainer.optimizers[0].state.values() if "step" in s]
+    return max(counts) if counts else trainer.global_step
 
 
 class ExportPolicy(pl.Callback):
@@ -27,7 +45,7 @@ class ExportPolicy(pl.Callback):
         every_n_epochs: also export after every n-th epoch as ``epoch_<E>`` (0: only
             ``last``, when training ends).
         dtype: cast the exported weights, e.g. "bfloat16" for serving fp32-master runs
-            (None: as trained).
+            (None: as trained); checked here, not after training.
     """
 
     def __init__(self, dirpath: str | None = None, every_n_epochs: int = 0,
@@ -35,6 +53,7 @@ class ExportPolicy(pl.Callback):
         if every_n_epochs < 0:
             raise ValueError(f"ExportPolicy every_n_epochs ({every_n_epochs}) must be >= 0 "
                              f"(0: only at the end of training)")
+        export_dtype(dtype)  # a bad dtype fails now, not when training ends
         self.dirpath = dirpath
         self.every_n_epochs = every_n_epochs
         self.dtype = dtype
@@ -57,7 +76,9 @@ class ExportPolicy(pl.Callback):
         state = dict(policy_weights(pl_module.policy, rank0_cpu=True))
         out = root / name
         if trainer.is_global_zero:
-            meta = {"epochs": epochs_done, "global_step": trainer.global_step}
+            # global_step: Lightning's count, what exports recorded before policy_steps
+            meta = {"epochs": epochs_done, "policy_steps": policy_optimizer_steps(trainer),
+                    "global_step": trainer.global_step}
             save_policy(state, pl_module.hparams.policy_path, out, self.dtype, meta)
             self.exported.append(out)
         trainer.strategy.barrier("ExportPolicy")

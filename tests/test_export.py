@@ -5,13 +5,15 @@ checkpoint file or a sharded (DCP) checkpoint directory. A real fit that exports
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from trace_lightning.export import (META_FILE, export_checkpoint, main, policy_state,
-                                    read_checkpoint, save_policy)
+from trace_lightning.export import (META_FILE, export_checkpoint, is_local_path, main,
+                                    policy_state, read_checkpoint, save_policy)
 from trace_lightning.models import build_tiny_from_corpus
 
 
@@ -63,8 +65,23 @@ def test_dtype_cast_for_serving(trained, model_dir, tmp_path):
     out = save_policy(trained.state_dict(), model_dir, tmp_path / "bf16", dtype="bfloat16")
     assert_same_weights(out, trained, dtype=torch.bfloat16)
     assert json.loads((out / META_FILE).read_text())["dtype"] == "bfloat16"
-    with pytest.raises(ValueError, match="'bf16' is not a torch dtype.*bfloat16"):
+    with pytest.raises(ValueError, match="'bf16'.*bfloat16"):
         save_policy(trained.state_dict(), model_dir, tmp_path / "x", dtype="bf16")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "bool", "complex64", "float8_e4m3fn"])
+def test_export_dtype_must_be_a_floating_one(trained, model_dir, tmp_path, dtype):
+    """int8/bool are torch dtypes too: they used to cast every weight and end in a bare
+    StopIteration (no floating tensor left); the error names the flag, value and choices."""
+    from callbacks import ExportPolicy
+
+    match = (rf"--dtype / ExportPolicy dtype \('{dtype}'\) is not a floating torch dtype.*"
+             r"bfloat16, float16, float32 or float64")
+    with pytest.raises(ValueError, match=match):
+        save_policy(trained.state_dict(), model_dir, tmp_path / "x", dtype=dtype)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
+    with pytest.raises(ValueError, match=match):  # at configuration, not when training ends
+        ExportPolicy(dtype=dtype)
 
 
 def test_a_failed_export_leaves_the_previous_one_whole(trained, model_dir, tmp_path):
@@ -73,6 +90,103 @@ def test_a_failed_export_leaves_the_previous_one_whole(trained, model_dir, tmp_p
     with pytest.raises(ValueError, match=r"missing \['model.layers.1.*policy_path"):
         save_policy(broken, model_dir, out)
     assert_same_weights(out, trained)
+
+
+def test_exporting_again_replaces_the_previous_export(trained, model_dir, tmp_path):
+    out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy", dtype="float16")
+    (tmp_path / "policy.old").mkdir()  # left by an export killed before it deleted it
+    save_policy(trained.state_dict(), model_dir, out)
+    assert_same_weights(out, trained)  # the second export's (float32) weights
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]  # no .partial, no .old
+
+
+def test_a_failed_replace_leaves_the_previous_export_in_place(trained, model_dir, tmp_path,
+                                                              monkeypatch):
+    """The previous export was deleted before the new one was renamed into place: a failure
+    (or a kill) in between left no model at all."""
+    out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy")
+    rename = Path.rename
+
+    def failing_rename(self, target):
+        if self.name.endswith(".partial"):
+            raise OSError("simulated failure moving the new export into place")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="simulated"):
+        save_policy(trained.state_dict(), model_dir, out, dtype="bfloat16")
+    monkeypatch.undo()
+    assert_same_weights(out, trained)  # the previous (float32) export, whole
+    assert not (tmp_path / "policy.old").exists()
+
+
+def test_a_failed_save_leaves_the_previous_export_untouched(trained, model_dir, tmp_path,
+                                                            monkeypatch):
+    from transformers import PreTrainedModel
+
+    out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy")
+    before = sorted(p.name for p in out.iterdir())
+
+    def failing_save(self, directory, **kwargs):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "model.safetensors").write_bytes(b"half a file")
+        raise RuntimeError("simulated failure while saving")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", failing_save)
+    with pytest.raises(RuntimeError, match="simulated"):
+        save_policy(trained.state_dict(), model_dir, out, dtype="bfloat16")
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert_same_weights(out, trained)
+    assert not (tmp_path / "policy.old").exists()
+
+
+def test_the_generation_config_comes_from_the_policy_path(trained, model_dir, tmp_path):
+    """A model built from its config saves a default generation config; the export carries
+    the source's (its eos ids and sampling defaults reach generate() and vLLM)."""
+    src = Path(shutil.copytree(model_dir, tmp_path / "src"))
+    generation = GenerationConfig.from_pretrained(src)
+    generation.eos_token_id = [2, 7]
+    generation.do_sample, generation.temperature = True, 0.37
+    generation.save_pretrained(src)
+    out = save_policy(trained.state_dict(), src, tmp_path / "policy")
+    got = GenerationConfig.from_pretrained(out)
+    assert (got.eos_token_id, got.do_sample, got.temperature) == ([2, 7], True, 0.37)
+    # a source without one: the export still works, with transformers' default
+    (src / "generation_config.json").unlink()
+    out = save_policy(trained.state_dict(), src, tmp_path / "policy")
+    assert GenerationConfig.from_pretrained(out).temperature != 0.37
+
+
+def test_a_relative_policy_path_from_another_directory_names_the_flag(trained, model_dir,
+                                                                      tmp_path, monkeypatch):
+    """A run records its policy_path as given (here relative to the run's working directory);
+    exported from elsewhere, transformers failed with an error naming neither the checkpoint
+    nor --policy-path."""
+    module = {f"policy.{k}": v for k, v in trained.state_dict().items()}
+    torch.save({"state_dict": module, "hyper_parameters": {"policy_path": "runs/demo/model"}},
+               tmp_path / "last.ckpt")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["last.ckpt", "out"])
+    msg = str(e.value)
+    assert msg.startswith("trace-lightning-export: last.ckpt records "
+                          "model.policy_path=runs/demo/model, which does not exist from ")
+    assert str(tmp_path) in msg and "pass --policy-path DIR" in msg
+    with pytest.raises(SystemExit, match="--policy-path elsewhere/demo/model does not exist"):
+        main(["last.ckpt", "out", "--policy-path", "elsewhere/demo/model"])
+    assert not (tmp_path / "out").exists()
+    main(["last.ckpt", "out", "--policy-path", str(model_dir)])
+    assert_same_weights(tmp_path / "out", trained)
+
+
+def test_local_paths_are_told_from_hub_ids(tmp_path):
+    """A hub id is name or owner/name; anything longer, or starting with '.', '/' or '~', or
+    existing, is a local path."""
+    assert not is_local_path("Qwen/Qwen3-0.6B") and not is_local_path("gpt2")
+    for local in ("runs/demo/model", "./model", "../model", "/abs/model", "~/model",
+                  str(tmp_path)):
+        assert is_local_path(local), local
 
 
 def test_policy_state_keeps_only_the_policy():
@@ -162,8 +276,52 @@ def test_export_callback_every_n_epochs_and_at_the_end(model_dir, tmp_path):
         got = AutoModelForCausalLM.from_pretrained(tmp_path / "p" / name).state_dict()
         for k, v in module.snapshots[epoch].items():
             torch.testing.assert_close(got[k], v, atol=0, rtol=0)
-        assert json.loads((tmp_path / "p" / name / META_FILE).read_text())["epochs"] == epochs
+        meta = json.loads((tmp_path / "p" / name / META_FILE).read_text())
+        assert (meta["epochs"], meta["policy_steps"]) == (epochs, 2 * epochs)  # 2 batches each
     assert not torch.equal(module.snapshots[1]["model.norm.weight"],
                            module.snapshots[2]["model.norm.weight"])
     with pytest.raises(ValueError, match="every_n_epochs \\(-1\\) must be >= 0"):
         ExportPolicy(every_n_epochs=-1)
+
+
+def test_export_callback_records_the_policy_optimizers_steps(model_dir, tmp_path):
+    """A module with manual optimization and two optimizers, as TraceModule: the policy's
+    (first) steps once per batch, a predictor's three times; ``trainer.global_step`` counts
+    all eight, the export records the policy's two."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from callbacks import ExportPolicy
+
+    class LM(L.LightningModule):
+        def __init__(self, policy_path: str):
+            super().__init__()
+            self.save_hyperparameters()
+            self.automatic_optimization = False
+            self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
+            self.predictor = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            policy_opt, predictor_opt = self.optimizers()
+            for _ in range(3):
+                self.manual_backward(self.predictor(torch.ones(1, 2)).square().sum())
+                predictor_opt.step()
+                predictor_opt.zero_grad()
+            self.manual_backward(self.policy(input_ids=batch, labels=batch).loss)
+            policy_opt.step()
+            policy_opt.zero_grad()
+
+        def configure_optimizers(self):
+            return [torch.optim.AdamW(self.policy.parameters(), lr=1e-3),
+                    torch.optim.SGD(self.predictor.parameters(), lr=0.1)]
+
+    data = DataLoader(torch.randint(0, 1024, (4, 16), generator=torch.Generator().manual_seed(0)),
+                      batch_size=2)
+    export = ExportPolicy(dirpath=str(tmp_path / "p"))
+    trainer = L.Trainer(max_epochs=1, callbacks=[export], logger=False, accelerator="cpu",
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(LM(str(model_dir)), data)
+    assert trainer.global_step == 8  # 2 batches x (3 predictor + 1 policy) steps
+    meta = json.loads((tmp_path / "p" / "last" / META_FILE).read_text())
+    assert (meta["epochs"], meta["policy_steps"]) == (1, 2)

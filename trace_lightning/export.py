@@ -9,25 +9,50 @@ Two ways out of a run:
   file (``state_dict_type: full``, the CPU demo's ``last.ckpt``) or a sharded FSDP checkpoint
   directory (``state_dict_type: sharded``, the GPU config), read without a process group.
 
-The directory holds the policy's config and weights (safetensors), the tokenizer from the
-run's ``policy_path``, and ``trace_lightning.json`` (what it was exported from). It is written
-next to its destination and renamed into place, so an interrupted export never leaves half a
-model where a complete one was.
+The directory holds the policy's config and weights (safetensors), the tokenizer and the
+generation config (eos ids, sampling defaults) from the run's ``policy_path``, and
+``trace_lightning.json`` (what it was exported from). It is written next to its destination
+and renamed into place, so an interrupted export never leaves half a model where a complete
+one was.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
 POLICY_PREFIX = "policy."  # TraceModule.policy in the LightningModule's state dict
 META_FILE = "trace_lightning.json"
+EXPORT_DTYPES = "bfloat16, float16, float32 or float64"
+
+
+def export_dtype(dtype: str | None) -> torch.dtype | None:
+    """The torch dtype to cast an export to (None: as trained).
+
+    Only floating dtypes of 16 bits or more: an integer or bool cast would destroy the weights
+    (and leave no floating tensor to build the model in), and a bare float8 cast, without
+    scales, is not a format that transformers or vLLM serve.
+    """
+    if dtype is None:
+        return None
+    torch_dtype = getattr(torch, dtype, None)
+    if not (isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point
+            and torch_dtype.itemsize >= 2):
+        raise ValueError(f"--dtype / ExportPolicy dtype ({dtype!r}) is not a floating torch "
+                         f"dtype to export in; use {EXPORT_DTYPES} (or none to keep the "
+                         f"trained dtype)")
+    return torch_dtype
 
 
 def policy_state(module_state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
@@ -50,19 +75,16 @@ def save_policy(state: dict[str, torch.Tensor], policy_path: str | Path, out: st
         state: the policy's full weights.
         policy_path: the run's ``model.policy_path``: its config (architecture) and tokenizer.
         out: the directory to write; replaced if it exists.
-        dtype: cast the weights ("bfloat16", "float16", "float32"); None keeps the trained
-            dtype (fp32 master weights stay fp32).
+        dtype: cast the weights ("bfloat16", "float16", "float32", "float64"); None keeps
+            the trained dtype (fp32 master weights stay fp32).
         meta: more to record in ``trace_lightning.json`` (step, epoch, source).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out)
-    if dtype is not None:
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"export dtype {dtype!r} is not a torch dtype; use 'bfloat16', "
-                             f"'float16' or 'float32' (or none to keep the trained dtype)")
-        state = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
-                 for k, v in state.items()}
+    cast = export_dtype(dtype)
+    if cast is not None:
+        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
     config = AutoConfig.from_pretrained(policy_path)
     weight_dtype = next(v.dtype for v in state.values() if v.is_floating_point())
     with torch.device("meta"):  # no second copy of the weights: load_state_dict assigns them
@@ -70,15 +92,55 @@ def save_policy(state: dict[str, torch.Tensor], policy_path: str | Path, out: st
     _load_exactly(model, state, policy_path)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    # a model built from its config carries a default generation config: without the
+    # source's, generate() and vLLM would lose its eos ids and sampling defaults
+    generation = _generation_config(policy_path)
+    if generation is not None:
+        model.generation_config = generation
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(policy_path).save_pretrained(tmp)
     info = {"policy_path": str(policy_path), "dtype": str(weight_dtype).removeprefix("torch."),
             **(meta or {})}
     (tmp / META_FILE).write_text(json.dumps(info, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    _replace(tmp, out)
     return out
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out`` by renames only: a previous export is moved
+    aside to ``<out>.old`` (deleted once the new one is in place) and moved back if the new
+    one cannot be, so a complete model is at ``out``, or (killed between the two renames) at
+    ``<out>.old``, at every moment."""
+    old = out.with_name(out.name + ".old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)  # a stale one from a killed export
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old.exists() and not out.exists():
+            old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _generation_config(policy_path: str | Path) -> GenerationConfig | None:
+    """The ``GenerationConfig`` of ``policy_path``, or None where it has none.
+
+    A directory without ``generation_config.json`` has none; one that is there must load (a
+    broken one is an error, not a silent default). For a hub id transformers raises OSError
+    when the repository has no such file (its config and tokenizer load)."""
+    from transformers import GenerationConfig
+    from transformers.utils import GENERATION_CONFIG_NAME
+
+    if Path(policy_path).is_dir():
+        if not (Path(policy_path) / GENERATION_CONFIG_NAME).is_file():
+            return None
+        return GenerationConfig.from_pretrained(policy_path)
+    try:
+        return GenerationConfig.from_pretrained(policy_path)
+    except OSError:  # the hub repository has no generation_config.json
+        return None
 
 
 def _load_exactly(model: nn.Module, state: dict[str, torch.Tensor], policy_path) -> None:
@@ -138,14 +200,50 @@ def _read_sharded_model(path: Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
+def is_local_path(policy_path: str) -> bool:
+    """Whether ``policy_path`` names a local directory rather than a Hugging Face hub id.
+
+    An existing path is local. Otherwise it is local when it starts with '.', '/' or '~', or
+    has more than two '/'-separated parts: a hub id is ``name`` or ``owner/name``
+    ("Qwen/Qwen3-0.6B"), while a run's path such as "runs/demo/model" has three. A missing
+    relative directory of one or two parts ("model", "runs/model") cannot be told from a hub
+    id; transformers reports it when it fails to download it.
+    """
+    p = policy_path.replace(os.sep, "/")
+    return (Path(policy_path).exists() or p.startswith((".", "/", "~"))
+            or len(p.split("/")) > 2)
+
+
+def _check_policy_path(policy_path: str, ckpt: str | Path, given: bool) -> None:
+    """Fail before transformers does (its error names neither the flag nor the checkpoint)
+    when ``policy_path`` is local (``is_local_path``) but not a directory: typically a
+    relative path recorded by a run started from another working directory."""
+    if not is_local_path(policy_path) or Path(policy_path).is_dir():
+        return
+    if given:
+        raise FileNotFoundError(
+            f"--policy-path {policy_path} does not exist (as a directory) from {Path.cwd()}; "
+            f"give the directory the run's policy was loaded from (or a hub id, owner/name)")
+    raise FileNotFoundError(
+        f"{ckpt} records model.policy_path={policy_path}, which does not exist from "
+        f"{Path.cwd()}; pass --policy-path DIR (the directory the run's policy was loaded "
+        f"from)")
+
+
 def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str | None = None,
                       policy_path: str | None = None) -> Path:
-    """``save_policy`` from a Lightning checkpoint written by ``trace-lightning fit``."""
+    """``save_policy`` from a Lightning checkpoint written by ``trace-lightning fit``.
+
+    ``policy_path`` (``--policy-path``) overrides the run's recorded ``model.policy_path``.
+    Either must be an existing directory or a hub id; what ``is_local_path`` calls local but
+    is not a directory is an error naming ``--policy-path``."""
     module_state, hparams = read_checkpoint(ckpt)
+    given = bool(policy_path)
     policy_path = policy_path or hparams.get("policy_path")
     if not policy_path:
         raise ValueError(f"{ckpt} records no model.policy_path; pass --policy-path (the "
                          f"directory the run's policy was loaded from)")
+    _check_policy_path(str(policy_path), ckpt, given)
     return save_policy(policy_state(module_state, str(ckpt)), policy_path, out, dtype,
                        meta={"checkpoint": str(Path(ckpt).resolve())})
 
