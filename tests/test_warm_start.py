@@ -200,3 +200,73 @@ def test_prepare_demo_writes_loadable_files_and_is_idempotent(tmp_path):
     prepare_demo(tmp_path / "demo", **{**kwargs, "warm_start_steps": 1})
     assert (paths.model / "model.safetensors").stat().st_mtime_ns != stamp
     assert json.loads(paths.manifest.read_text())["settings"]["warm_start_steps"] == 1
+
+
+def _demo_kwargs(**over) -> dict:
+    return dict(n_questions=20, n_eval_questions=10, warm_worlds=2, warm_questions=10,
+                vocab_size=400, model=MODEL, warm_start_steps=2, warm_start_batch=4,
+                **SIZES) | over
+
+
+def test_prepare_demo_rejects_the_training_seed_as_eval_seed(tmp_path):
+    # Same seed, same world: the held-out questions would be the first training questions.
+    with pytest.raises(ValueError, match=r"eval_seed \(3\) equals seed \(3\) "
+                                         r"\(--data.demo.eval_seed, --data.demo.seed\).*"
+                                         r"memorisation; set eval_seed to another seed"):
+        prepare_demo(tmp_path / "demo", **_demo_kwargs(seed=3, eval_seed=3))
+    assert not (tmp_path / "demo").exists()
+
+
+def test_prepare_demo_held_out_skips_questions_training_asks(tmp_path):
+    # Seeds 4 and 22 at the default sizes: both worlds have a company "Polno Corp" based in
+    # a city of "Wyndraja", so the held-out draw's first 200 questions hold one training
+    # question with its answer. It is skipped and the draw's 201st question taken instead.
+    sizes = {"n_people": 300, "n_cities": 40, "n_countries": 8, "n_companies": 40}
+    paths = prepare_demo(tmp_path / "demo", seed=4, eval_seed=22, n_questions=600,
+                         n_eval_questions=200, warm_start_steps=0, vocab_size=400,
+                         model=MODEL, **sizes)
+
+    def pairs(path):
+        return [(r["question"], tuple(r["answers"]))
+                for r in map(json.loads, path.read_text().splitlines())]
+    train, held_out = pairs(paths.train_qa), pairs(paths.eval_qa)
+    shared = ("In which country is Polno Corp based?", ("Wyndraja",))
+    assert shared in train and not set(train) & set(held_out)
+    plain = [(q["question"], tuple(q["answers"]))
+             for q in generate_world(22, n_questions=201, **sizes).questions]
+    assert shared in plain[:200]
+    assert held_out == [p for p in plain[:200] if p != shared] + [plain[200]]
+
+
+def test_prepare_demo_rebuild_keeps_the_old_world_until_the_new_one_is_complete(
+        tmp_path, monkeypatch):
+    import trace_lightning.demo.prepare as prepare_module
+
+    kwargs = _demo_kwargs()
+    paths = prepare_demo(tmp_path / "demo", **kwargs)
+    files = [paths.train_qa, paths.eval_qa, paths.train_corpus, paths.eval_corpus,
+             paths.manifest, *sorted(paths.model.iterdir())]
+    before = {f: f.read_bytes() for f in files}
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the run stopped during the (long) warm start
+
+    monkeypatch.setattr(prepare_module, "warm_start", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_demo(tmp_path / "demo", **{**kwargs, "seed": 5, "eval_seed": 6})
+    # The seed-0 world is whole: its data, its model, its manifest; no seed-5 data beside
+    # the seed-0 model, and the old settings still find it up to date.
+    assert {f: f.read_bytes() for f in files} == before
+    assert sorted(paths.model.iterdir()) == sorted(f for f in files if f.parent == paths.model)
+    stamp = (paths.model / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.undo()
+    prepare_demo(tmp_path / "demo", **kwargs)
+    assert (paths.model / "model.safetensors").stat().st_mtime_ns == stamp
+    # A finished rebuild swaps the new model in and leaves no staging folders.
+    prepare_demo(tmp_path / "demo", **{**kwargs, "seed": 5, "eval_seed": 6})
+    assert json.loads(paths.manifest.read_text())["settings"]["seed"] == 5
+    assert paths.train_qa.read_bytes() != before[paths.train_qa]
+    assert sorted(p.name for p in paths.root.iterdir()) == [
+        "eval_corpus.jsonl", "eval_qa.jsonl", "manifest.json", "model", "train_corpus.jsonl",
+        "train_qa.jsonl"]
+    AutoModelForCausalLM.from_pretrained(paths.model)
