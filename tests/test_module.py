@@ -120,12 +120,12 @@ def _minibatch(seed: int, advantage_nan: bool = False) -> dict:
     return {"micro": micro, "n_tokens": float(sum(sum(s.policy_mask) for s in seqs))}
 
 
-def _fit(module: TraceModule, batches: list[dict], callbacks=()) -> L.Trainer:
+def _fit(module: TraceModule, batches: list[dict], callbacks=(), **kw) -> L.Trainer:
     """One epoch of a real Trainer over ``batches`` (one mini-batch each)."""
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=list(callbacks))
+                        callbacks=list(callbacks), **kw)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     return trainer
 
@@ -177,6 +177,32 @@ def test_kl_to_the_reference_is_zero_until_the_policy_moves(policy_dir):
     _fit(TraceModule(policy_path=str(policy_dir), lr=1e-2, kl_coef=0.1),
          [_minibatch(1), _minibatch(3)], callbacks=[Record()])
     assert kl[0] == 0.0 and kl[1] > 1e-6
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_gradient_norm_is_clipped_in_true_units_under_a_loss_scaler(policy_dir):
+    """16-mixed with a GradScaler (what Lightning sets up on GPU; built here by hand on CPU,
+    where it sets none): the logged norm is the unscaled gradient's, not 1024 times it, and
+    the clip leaves the update an unscaled, clipped step of plain SGD would."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    batch = _minibatch(4)
+
+    def run(**kw):
+        module = TraceModule(policy_path=str(policy_dir), lr=1e-2, max_grad_norm=0.5)
+        module.configure_optimizers = lambda: torch.optim.SGD(module.policy.parameters(),
+                                                              lr=1e-2)
+        module.optimizers = lambda: [L.LightningModule.optimizers(module)]
+        trainer = _fit(module, [batch], **kw)
+        return float(trainer.logged_metrics["train/grad_norm"]), module
+
+    plain_norm, plain = run()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaled_norm, scaled = run(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert plain_norm > 0.5  # the clip acts
+    assert scaled_norm == pytest.approx(plain_norm, rel=0.05)  # fp16 autocast, true units
+    for (name, p), q in zip(plain.policy.named_parameters(), scaled.policy.parameters()):
+        torch.testing.assert_close(q, p, atol=2e-4, rtol=0, msg=name)
 
 
 def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):

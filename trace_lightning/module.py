@@ -97,6 +97,7 @@ class TraceModule(L.LightningModule):
         self.predictor: SuccessPredictor | None = None
         self._predictor_stats: dict[str, float] = {}
         self._last_sync: tuple | None = None  # (engine, probe, policy probe log-probs)
+        self._grad_norm = float("nan")  # the policy's, before clipping, of the last step
 
     # ---- models -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -242,12 +243,10 @@ class TraceModule(L.LightningModule):
                 f"policy loss is {values['loss']} at epoch {self.current_epoch}, mini-batch "
                 f"{batch_idx}; the step was not applied and no checkpoint was written. "
                 f"Check rewards and advantages for NaN, or lower --model.lr")
-        if h.max_grad_norm > 0:
-            grad_norm = self.clip_policy_gradients(h.max_grad_norm)
-        else:
-            grad_norm = float("nan")
         lr = opt.param_groups[0]["lr"]  # the lr this step used
-        opt.step()
+        self._grad_norm = float("nan")
+        opt.step()  # clips first, in on_before_optimizer_step
+        grad_norm = self._grad_norm
         opt.zero_grad(set_to_none=True)
         scheduler = self.lr_schedulers()
         if scheduler is not None:
@@ -262,6 +261,15 @@ class TraceModule(L.LightningModule):
             metrics.update(self._predictor_stats)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return torch.tensor(total_loss)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clip the policy's gradients (``max_grad_norm``) as its optimizer steps: Lightning
+        calls this after a loss scaler (``16-mixed`` on GPU) has unscaled them, so the norm
+        and the clip are in true units (clipping in ``training_step`` would clip the scaled
+        gradients, by the loss scale too much)."""
+        if optimizer is not self.optimizers()[0].optimizer or self.hparams.max_grad_norm <= 0:
+            return
+        self._grad_norm = self.clip_policy_gradients(self.hparams.max_grad_norm)
 
     def clip_policy_gradients(self, max_norm: float) -> float:
         """Clip the policy's gradient norm through the strategy (FSDP-aware)."""
