@@ -78,6 +78,14 @@ def test_kl_term_by_hand():
     assert stats["kl_ref"].item() == pytest.approx(kl_hand, rel=RTOL, abs=ATOL)
     assert loss.item() == pytest.approx(pg.item() + 0.1 * kl_hand, rel=RTOL, abs=ATOL)
     assert torch.isfinite(loss)
+    # one micro-batch of a mini-batch of 12 tokens: the loss term is over the mini-batch
+    # (sum 0.516600 / 12), the logged statistic stays this call's token mean (so the module's
+    # token-weighted mean over micro-batches is the mini-batch's)
+    loss, stats = policy_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1,
+                              normalizer=12.0)
+    pg, _ = policy_loss(logp, old, adv, mask, normalizer=12.0)
+    assert loss.item() == pytest.approx(pg.item() + 0.1 * 3 * kl_hand / 12, rel=RTOL, abs=ATOL)
+    assert stats["kl_ref"].item() == pytest.approx(kl_hand, rel=RTOL, abs=ATOL)
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(logp, old, adv, mask, kl_coef=0.1)
 

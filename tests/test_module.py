@@ -205,6 +205,86 @@ def test_gradient_norm_is_clipped_in_true_units_under_a_loss_scaler(policy_dir):
         torch.testing.assert_close(q, p, atol=2e-4, rtol=0, msg=name)
 
 
+def test_gradient_norm_is_logged_without_clipping(policy_dir):
+    """max_grad_norm 0 measures the norm without clipping: the same first-step norm as a
+    clipped run (measured before the clip), not NaN."""
+    def first_norm(max_grad_norm):
+        module = TraceModule(policy_path=str(policy_dir), lr=1e-3, max_grad_norm=max_grad_norm)
+        return float(_fit(module, [_minibatch(5)]).logged_metrics["train/grad_norm"])
+
+    clipped, measured = first_norm(1e-3), first_norm(0.0)
+    assert clipped > 1e-3 and measured == pytest.approx(clipped, rel=1e-5)
+
+
+def test_a_mini_batch_without_policy_tokens_does_not_move_the_weights(policy_dir):
+    """A step with fewer leaves than mini-batches leaves filler-only mini-batches: Adam's
+    moments and weight decay would still move every weight, and the lr schedule advance."""
+    from trace_lightning.data import equalise_over_ranks
+
+    real = _minibatch(6)
+    filler = equalise_over_ranks([real, {"micro": [], "n_tokens": 0.0}], pad_id=0)[1]
+    assert filler["n_tokens"] == 0.0 and filler["micro"]  # filler micro-batches, no tokens
+    snapshots, lrs = [], []
+
+    class Snap(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            snapshots.append([p.detach().clone() for p in pl_module.policy.parameters()])
+            lrs.append(float(trainer.callback_metrics["train/lr"]))
+
+    module = TraceModule(policy_path=str(policy_dir), lr=1e-3, weight_decay=0.1,
+                         lr_warmup_steps=4)
+    trainer = _fit(module, [real, filler, filler], callbacks=[Snap()])
+    for before, after in zip(snapshots[0], snapshots[2]):
+        assert torch.equal(before, after)
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 5e-4])  # the schedule waits too
+    assert trainer.global_step == 1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true"])
+def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
+    """The predictor's fit steps its own optimizer, not through the precision plugin: under
+    16-mixed a GradScaler would unscale gradients it never scaled (an error before the first
+    scaled backward); under bf16-true the predictor would be cast to bf16 and refuse the
+    float32 features. Under 16-mixed it learns exactly as under 32-true."""
+    import types
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from trace_lightning.tree import RolloutTree
+
+    def trees():
+        out = []
+        for k in range(6):
+            t = RolloutTree.new(f"q{k}", "q", ["a"], [1, 2, 3 + k])
+            for j in range(2):
+                a = t.add_child(0, rollout=j, token_ids=[5, 6, 7], logprobs=[-1.0, -1.0, 0.0],
+                                policy_mask=[1, 1, 0])
+                t.add_child(a.id, token_ids=[8, 9], logprobs=[-1.0, -1.0], policy_mask=[1, 1],
+                            finished=True, reward=float((j + k) % 2))
+            t.compute_values()
+            out.append(t)
+        return out
+
+    stats = {}
+
+    class Receive(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pl_module.receive_step(types.SimpleNamespace(trees=trees(), epoch=0))
+            stats[trainer.precision] = dict(pl_module._predictor_stats)
+            assert all(p.dtype == torch.float32 for p in pl_module.predictor.parameters())
+
+    kw = ({"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+          if precision == "16-mixed" else {"precision": precision})
+    _fit(TraceModule(policy_path=str(policy_dir), lr=1e-4), [_minibatch(1)],
+         callbacks=[Receive()], **kw)
+    assert stats[precision]["predictor/updates"] > 0
+    if precision == "16-mixed":
+        _fit(TraceModule(policy_path=str(policy_dir), lr=1e-4), [_minibatch(1)],
+             callbacks=[Receive()])
+        assert stats[precision] == pytest.approx(stats["32-true"])
+
+
 def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
     """A NaN in one micro-batch raises a clear error and leaves every weight unchanged."""
     batch = _minibatch(2, advantage_nan=True)

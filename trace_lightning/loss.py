@@ -313,7 +313,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
         kl = torch.exp(d) - d - 1.0  # (B, T): k3 >= 0
         kl_loss = _agg(kl, m, loss_agg, normalizer)  # ()
-        stats["kl_ref"] = kl_loss.detach()
+        # a mean over this call's tokens, as every statistic (kl_loss is over the normalizer)
+        stats["kl_ref"] = (kl.detach() * m).sum() / n_tokens
         if kl_coef > 0:
             loss = loss + kl_coef * kl_loss
     if entropy is not None:

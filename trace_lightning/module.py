@@ -134,6 +134,12 @@ class TraceModule(L.LightningModule):
         names += [f"predictor.{n}" for n, _ in self.predictor.named_buffers()]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, names)
 
+    def on_fit_start(self) -> None:
+        # "bf16-true" / "16-true" cast the whole module (the predictor was even built in that
+        # dtype); it reads float32 features and is tiny, so it trains in float32. The same
+        # Parameter objects: the optimizer already holding them stays valid.
+        self.predictor.float()
+
     def shard_models(self) -> None:
         """Under Lightning's FSDP strategy make the policy (and the reference) FSDP roots of
         their own, the strategy's ``auto_wrap_policy`` wrapping their layers.
@@ -198,7 +204,11 @@ class TraceModule(L.LightningModule):
                 PromptHistory.outcomes_of(step.trees, step.epoch), self.trainer))
         gen = torch.Generator().manual_seed(1000 * self.current_epoch + 17)
         h = self.hparams
-        self._predictor_stats = fit_predictor(self.predictor, self.optimizers()[1], self.replay,
+        # the raw optimizer: through Lightning's, a 16-mixed loss scaler would unscale (and
+        # update on) gradients it never scaled; the predictor is updated identically on every
+        # rank (all ranks' nodes), outside any strategy wrapper
+        self._predictor_stats = fit_predictor(self.predictor, self.optimizers()[1].optimizer,
+                                              self.replay,
                                               h.predictor_epochs, h.predictor_batch_size,
                                               generator=gen, holdout=h.predictor_holdout)
         if self.history is not None:
@@ -210,7 +220,11 @@ class TraceModule(L.LightningModule):
         h = self.hparams
         # the token-mean's divisor: the mini-batch's policy tokens over all ranks / ranks
         # (data.equalise_over_ranks); one process, or a batch without it: this rank's count
-        normalizer = max(float(batch.get("normalizer", batch["n_tokens"])), 1.0)
+        normalizer = float(batch.get("normalizer", batch["n_tokens"]))
+        # no policy token on any rank (filler micro-batches only: a step with fewer leaves
+        # than mini-batches): no update, which Adam's moments and weight decay would still make
+        empty = normalizer == 0.0  # the same on every rank
+        normalizer = max(normalizer, 1.0)
         # Statistics stay on the device until the mini-batch ends (then one sync, and one for
         # the gradient norm): a float() per micro-batch would wait for the GPU each time and
         # leave it idle while the next one is queued.
@@ -245,12 +259,13 @@ class TraceModule(L.LightningModule):
                 f"Check rewards and advantages for NaN, or lower --model.lr")
         lr = opt.param_groups[0]["lr"]  # the lr this step used
         self._grad_norm = float("nan")
-        opt.step()  # clips first, in on_before_optimizer_step
+        if not empty:
+            opt.step()  # clips first, in on_before_optimizer_step
+            scheduler = self.lr_schedulers()
+            if scheduler is not None:
+                scheduler.step()
         grad_norm = self._grad_norm
         opt.zero_grad(set_to_none=True)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
         tokens, total_loss = values.pop("tokens"), values.pop("loss")
         ratio_max = values.pop("ratio_max")
         metrics = {f"train/{k}": v / max(tokens, 1.0) for k, v in values.items()}
@@ -266,10 +281,12 @@ class TraceModule(L.LightningModule):
         """Clip the policy's gradients (``max_grad_norm``) as its optimizer steps: Lightning
         calls this after a loss scaler (``16-mixed`` on GPU) has unscaled them, so the norm
         and the clip are in true units (clipping in ``training_step`` would clip the scaled
-        gradients, by the loss scale too much)."""
-        if optimizer is not self.optimizers()[0].optimizer or self.hparams.max_grad_norm <= 0:
+        gradients, by the loss scale too much). ``max_grad_norm`` 0: the norm is measured,
+        not clipped."""
+        if optimizer is not self.optimizers()[0].optimizer:
             return
-        self._grad_norm = self.clip_policy_gradients(self.hparams.max_grad_norm)
+        max_norm = self.hparams.max_grad_norm
+        self._grad_norm = self.clip_policy_gradients(max_norm if max_norm > 0 else math.inf)
 
     def clip_policy_gradients(self, max_norm: float) -> float:
         """Clip the policy's gradient norm through the strategy (FSDP-aware)."""
