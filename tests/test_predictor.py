@@ -371,3 +371,52 @@ def test_training_batch_groups_nodes_by_prompt():
     batch = training_batch(trees, feats)
     assert batch.group.tolist() == [prompt_group("t")] * 3
     assert prompt_group("t") == prompt_group("t") != prompt_group("u")
+
+
+def _uneven_ranks_worker(rank: int, world: int, out_dir: str) -> None:
+    """Rank 0 holds two trees, rank 1 none (it opened no prompt): featurise under FSDP with
+    per-layer wrapping, then gather the predictor entries, as ``receive_step`` does."""
+    import datetime
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from trace_lightning.module import _all_gather_batch
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    policy = FSDP(Qwen3ForCausalLM(cfg), device_id=torch.device("cpu"),
+                  auto_wrap_policy=ModuleWrapPolicy({Qwen3DecoderLayer}))
+    trees = []
+    for i in range(2 if rank == 0 else 0):
+        t = RolloutTree.new(f"t{i}", "q", ["a"], list(range(1, 9)))
+        for j in range(2):
+            t.add_child(0, rollout=j, token_ids=[10 + j, 20], logprobs=[-1.0, -1.0],
+                        policy_mask=[1, 1], finished=True, reward=float(j))
+        t.compute_values()
+        trees.append(t)
+    try:
+        feats = node_features(policy, trees, batch_tokens=8)  # one forward per path on rank 0
+        batch = _all_gather_batch(training_batch(trees, feats), SimpleNamespace(world_size=2))
+        torch.save({"features": batch.features, "value": batch.value},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_uneven_trees_featurise_and_gather_under_fsdp(tmp_path):
+    """Each FSDP forward is a collective: a rank with fewer paths to featurise (here none)
+    must still join the other ranks' forwards, or the run hangs; its empty predictor batch
+    (no feature width) must not break the gather."""
+    torch.multiprocessing.spawn(_uneven_ranks_worker, args=(2, str(tmp_path)), nprocs=2,
+                                join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["features"].shape == (2, 32)  # the two roots (leaves are not targets)
+    torch.testing.assert_close(r0["features"], r1["features"], atol=0, rtol=0)
+    assert r0["value"].tolist() == r1["value"].tolist() == [0.5, 0.5]

@@ -393,4 +393,6 @@ def _all_gather_batch(batch, trainer):
     if trainer is None or trainer.world_size == 1:
         return batch
     parts = _all_gather_list([tuple(t.cpu() for t in batch)], trainer)
+    # a rank that opened no prompt has no nodes, and no feature width: leave it out
+    parts = [p for p in parts if len(p[0])] or parts[:1]
     return type(batch)(*(torch.cat(ts) for ts in zip(*parts)))
