@@ -32,6 +32,7 @@ from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines import build_engine
 from trace_lightning.engines.base import SamplingConfig
 from trace_lightning.environment import SEARCH_R1_INSTRUCTION, SearchEnvironment
+from trace_lightning.hub import local_model_dir
 from trace_lightning.packing import collate, pack_microbatches, split_minibatches
 from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Retriever
 from trace_lightning.rollout import AgentLoop, sample_trees
@@ -159,7 +160,7 @@ class TraceDataModule(L.LightningDataModule):
             answering a batch of queries needs more than a small one).
         retriever_retries: extra attempts after a timeout, a lost connection or a 5xx answer.
         val: validation sets.
-        policy_path: the policy's directory (linked from ``model.policy_path``).
+        policy_path: the policy's directory or hub id (linked from ``model.policy_path``).
         engine: the rollout engine.
         env: the search environment.
         sampling: sampling of training rollouts (stop strings come from the environment).
@@ -202,6 +203,7 @@ class TraceDataModule(L.LightningDataModule):
         self.retriever_timeout_s, self.retriever_retries = retriever_timeout_s, retriever_retries
         self.val_sets = list(val or [])
         self.policy_path = policy_path
+        self.policy_dir = policy_path  # a hub id becomes its cached snapshot in setup
         self.engine_cfg = engine or EngineConfig()
         self.env_cfg = env or EnvConfig()
         self.sampling = sampling or SamplingConfig()
@@ -272,6 +274,8 @@ class TraceDataModule(L.LightningDataModule):
                                  f"policy {str(model_dir)!r} when --data.demo is set; set it so")
             prepare_demo(self.demo.out_dir, seed=self.demo.seed, eval_seed=self.demo.eval_seed,
                          warm_start_steps=self.demo.warm_start_steps, **self.demo.options)
+        else:
+            local_model_dir(self.policy_path)  # a hub id downloads here, once per node
 
     def setup(self, stage: str) -> None:
         if self.demo is not None:
@@ -282,11 +286,8 @@ class TraceDataModule(L.LightningDataModule):
             if not self.val_sets:
                 self.val_sets = [EvalSet("demo_heldout", str(paths.eval_qa),
                                          corpus=str(paths.eval_corpus), limit=None)]
-        if not Path(self.policy_path).exists():
-            raise FileNotFoundError(
-                f"--model.policy_path ({self.policy_path!r}) does not exist; give a directory "
-                f"saved with save_pretrained (model and tokenizer), or set --data.demo so the "
-                f"demo policy is built there")
+        # the tokenizer and the engine read a directory: a hub id's cached snapshot
+        self.policy_dir = local_model_dir(self.policy_path)
         if self.retriever_url:
             self._http_retriever().check()  # fail before any work starts
         if stage == "fit" and not self.train_examples:
@@ -299,9 +300,9 @@ class TraceDataModule(L.LightningDataModule):
         if self.engine is None:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.policy_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.engine = self.engine_cfg.build(self.policy_path, self.seed, device)
+            self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
 
     def _retriever(self, corpus: str | None) -> Retriever:
         """BM25 over ``corpus``; None: the retrieval server, or else the training corpus.

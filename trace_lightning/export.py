@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -28,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from trace_lightning.hub import is_local_path
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -198,20 +199,6 @@ def _read_sharded_model(path: Path) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
     return state["model"]
-
-
-def is_local_path(policy_path: str) -> bool:
-    """Whether ``policy_path`` names a local directory rather than a Hugging Face hub id.
-
-    An existing path is local. Otherwise it is local when it starts with '.', '/' or '~', or
-    has more than two '/'-separated parts: a hub id is ``name`` or ``owner/name``
-    ("Qwen/Qwen3-0.6B"), while a run's path such as "runs/demo/model" has three. A missing
-    relative directory of one or two parts ("model", "runs/model") cannot be told from a hub
-    id; transformers reports it when it fails to download it.
-    """
-    p = policy_path.replace(os.sep, "/")
-    return (Path(policy_path).exists() or p.startswith((".", "/", "~"))
-            or len(p.split("/")) > 2)
 
 
 def _check_policy_path(policy_path: str, ckpt: str | Path, given: bool) -> None:

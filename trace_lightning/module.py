@@ -36,7 +36,8 @@ class TraceModule(L.LightningModule):
 
     Args:
         policy_path: directory of a transformers causal LM and its tokenizer
-            (``save_pretrained``), or a hub name on machines that can download.
+            (``save_pretrained``), or a hub id (owner/name), fetched once into the Hugging
+            Face cache (``trace_lightning.hub``).
         dtype: the policy's parameter dtype ("float32", "bfloat16").
         lr: policy learning rate (AdamW).
         weight_decay: policy weight decay.

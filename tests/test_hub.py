@@ -1,0 +1,51 @@
+"""--model.policy_path as a hub id: resolved to its snapshot in the Hugging Face cache.
+
+Nothing can be downloaded here, so the cache is filled the way ``huggingface_hub`` fills it
+(``models--owner--name/refs/main`` naming a ``snapshots/<commit>`` folder) and the hub is
+offline: the real ``snapshot_download`` then resolves the id from the cache alone.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import huggingface_hub.constants
+import pytest
+
+from trace_lightning.engines import build_engine
+from trace_lightning.hub import local_model_dir
+from trace_lightning.models import build_tiny_from_corpus
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, shared_data, monkeypatch):
+    model = build_tiny_from_corpus(shared_data / "hotpotqa" / "corpus.jsonl", tmp_path / "m",
+                                   vocab_size=512, seed=3)
+    repo = tmp_path / "cache" / "models--trace-test--tiny-qwen3"
+    shutil.copytree(model, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return repo / "snapshots" / COMMIT
+
+
+def test_hub_id_resolves_to_its_cached_snapshot_and_the_engine_loads_it(hub_cache):
+    path = local_model_dir("trace-test/tiny-qwen3")
+    assert path == str(hub_cache)
+    engine = build_engine("hf", path)
+    assert engine.prompt_logprobs([[1, 2, 3]])[0][0] == 0.0
+
+
+def test_unresolvable_policy_paths_name_the_flag_and_the_fix(hub_cache, tmp_path):
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download trace-test/absent") \
+            as err:
+        local_model_dir("trace-test/absent")
+    assert "--model.policy_path" in str(err.value)
+    # a local-looking path is never sent to the hub
+    with pytest.raises(FileNotFoundError, match="does not exist") as err:
+        local_model_dir(str(tmp_path / "runs" / "demo" / "model"))
+    assert "save_pretrained" in str(err.value)
+    assert local_model_dir(str(hub_cache)) == str(hub_cache)  # a directory is itself
