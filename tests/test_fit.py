@@ -293,6 +293,15 @@ def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message,
     assert not (tmp_path / "tensorboard").exists()  # nothing ran
 
 
+def test_optimizer_flags_are_not_offered(capsys):
+    """TraceModule configures its own policy and predictor optimizers; LightningCLI's
+    --optimizer would override them with one optimizer over no parameters."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(REPO / "configs" / "demo.yaml"), "--optimizer", "SGD"])
+    assert exit_.value.code != 0
+    assert "optimizer" in capsys.readouterr().err
+
+
 def test_missing_policy_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="--model.policy_path"):
         main(["fit", "--config", str(REPO / "configs" / "demo.yaml"),
