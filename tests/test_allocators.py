@@ -265,7 +265,24 @@ def test_too_few_candidates_name_the_pool_flag():
         allocator("uniform").plan_roots(5)
     with pytest.raises(ValueError, match=r"--data.candidates_per_step \(1\) is too small"):
         allocator("trace").plan_roots(1, [0.5])  # 1 prompt x 6 rollouts < 8
-    with pytest.raises(ValueError, match=r"leaves 0 prompts outside"):
-        allocator("trace", explore_fraction=0.5).plan_roots(2, [0.5, 0.5])
+    # explore 0.5: 1 random prompt of 4, the solver spends 4. With 2 candidates it keeps to
+    # one (4 rollouts) so the other can be explored, though opening both (2 + 2) scores more
+    plan = allocator("trace", explore_fraction=0.5).plan_roots(2, [0.5, 0.5])
+    assert sorted(plan.rollouts) == [4, 4] and sum(plan.random_picks) == 1
+    with pytest.raises(ValueError, match=r"--data.candidates_per_step \(1\) is too small"):
+        allocator("trace", explore_fraction=0.5).plan_roots(1, [0.5])
+    # the fewest candidates each plans from (data.py checks the config against it)
+    assert allocator("uniform").prompts_needed == 6  # 24 / 4
+    assert allocator("trace", explore_fraction=0.5).prompts_needed == 2  # 4/6 -> 1, + 1
+    assert allocator("trace", cold_start_nodes=10).prompts_needed == 2  # 8/6 -> 2; cold 8/4
+    assert allocator("prompt", cold_start_nodes=10).prompts_needed == 6  # cold: 24 / 4
+    for kind, kw in [("trace", {"explore_fraction": 0.5}), ("prompt", {"cold_start_nodes": 10}),
+                     ("prompt", {"explore_fraction": 0.4})]:
+        a = allocator(kind, **kw)
+        n = a.prompts_needed
+        a.plan_roots(n, predictions(n) if n > 1 else [0.5], predictor_nodes_seen=0)
+        with pytest.raises(ValueError, match="candidates_per_step"):
+            a.plan_roots(n - 1, predictions(n - 1) if n > 2 else [0.5] * (n - 1),
+                         predictor_nodes_seen=0)
     with pytest.raises(ValueError, match=r"one prediction per candidate \(3\), got 2 values"):
         allocator("trace").plan_roots(3, [0.5, 0.5])

@@ -236,6 +236,18 @@ class Allocator:
             return 0
         return math.floor(self.explore_fraction * self.root_budget / self.group_size)
 
+    @property
+    def prompts_needed(self) -> int:
+        """Fewest candidates a step can be planned from: ``M/G`` for a uniform schedule (and
+        a cold start), or the prompts that spend the solver's budget at ``m_max`` each plus
+        the exploration prompts, whichever is more."""
+        uniform = self.root_budget // self.group_size
+        if self.kind in ("uniform", "random_tree"):
+            return uniform
+        solve = self.root_budget - self.n_explore * self.group_size
+        solved = -(-solve // self.max_rollouts_per_prompt) + self.n_explore
+        return max(solved, uniform) if self.cold_start_nodes > 0 else solved
+
     def is_cold(self, predictor_nodes_seen: int) -> bool:
         return self.kind in ("prompt", "trace") and predictor_nodes_seen < self.cold_start_nodes
 
@@ -273,17 +285,15 @@ class Allocator:
         n_explore = self.n_explore
         solve = self.root_budget - n_explore * self.group_size
         k = None if self.prompts_per_step is None else self.prompts_per_step - n_explore
+        # leave the exploration prompts outside the solver's choice
+        k = min(n_candidates - n_explore, n_candidates if k is None else k)
         rollouts = solve_roots(predictions, solve, self.max_rollouts_per_prompt, k,
                                counts=prediction_counts)
         if sum(rollouts) != solve:
             raise ValueError(f"{cand} ({n_candidates}) is too small: {n_candidates} prompts of at "
                              f"most {self.max_rollouts_per_prompt} rollouts cannot take the "
                              f"{solve} rollouts kind {self.kind!r} must spend; raise it")
-        unchosen = [i for i, m in enumerate(rollouts) if m == 0]
-        if len(unchosen) < n_explore:
-            raise ValueError(f"{cand} ({n_candidates}) leaves {len(unchosen)} prompts outside the "
-                             f"solver's choice, fewer than the {n_explore} exploration prompts; "
-                             f"raise it or lower --data.allocator.explore_fraction")
+        unchosen = [i for i, m in enumerate(rollouts) if m == 0]  # >= n_explore (the cap)
         picks = (self._explore_rng.choice(len(unchosen), size=n_explore, replace=False)
                  if n_explore else [])
         random_picks = [False] * n_candidates
