@@ -293,6 +293,35 @@ def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message,
     assert not (tmp_path / "tensorboard").exists()  # nothing ran
 
 
+def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_data, demo_dir):
+    """Before any engine starts: a training file with fewer questions than a step needs
+    names --data.train (not candidates_per_step, which was not the problem); a validation set
+    with fewer questions than processes (one would skip validation, the others hang) too."""
+    from types import SimpleNamespace
+
+    from trace_lightning.allocators import Allocator
+    from trace_lightning.data import EvalSet, TraceDataModule
+
+    hotpot = shared_data / "hotpotqa"
+    uniform = Allocator("uniform", roots=16, continuations=0, max_rollouts_per_prompt=4,
+                        group_size=4)  # 4 prompts a step
+    dm = TraceDataModule(train=str(hotpot / "dev_distractor.jsonl"),
+                         corpus=str(hotpot / "corpus.jsonl"), policy_path=str(demo_dir / "model"),
+                         allocator=uniform, candidates_per_step=8, train_limit=3)
+    with pytest.raises(ValueError, match=r"3 training questions \(--data.train, "
+                                         r"--data.train_limit 3\), fewer than the 4 prompts"):
+        dm.setup("fit")
+    val = EvalSet("hotpotqa", str(hotpot / "dev_distractor.jsonl"), limit=1)
+    dm = TraceDataModule(train=str(hotpot / "dev_distractor.jsonl"),
+                         corpus=str(hotpot / "corpus.jsonl"), policy_path=str(demo_dir / "model"),
+                         allocator=uniform, val=[val])
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"'hotpotqa' holds 1 questions, fewer than the 2 "
+                                         r"processes"):
+        dm.setup("validate")
+    assert dm.engine is None  # nothing started
+
+
 def test_optimizer_flags_are_not_offered(capsys):
     """TraceModule configures its own policy and predictor optimizers; LightningCLI's
     --optimizer would override them with one optimizer over no parameters."""

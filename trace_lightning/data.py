@@ -197,7 +197,7 @@ class TraceDataModule(L.LightningDataModule):
                  train_limit: int | None = None, trees_dir: str | None = None,
                  demo: DemoConfig | None = None, oracle_samples: int = 8, seed: int = 0):
         super().__init__()
-        # a validation set smaller than the number of ranks leaves some ranks empty
+        # a step without training sequences gives every rank an empty train loader
         self.allow_zero_length_dataloader_with_multiple_devices = True
         self.train_path, self.corpus, self.retriever_url = train, corpus, retriever_url
         self.retriever_timeout_s, self.retriever_retries = retriever_timeout_s, retriever_retries
@@ -255,9 +255,7 @@ class TraceDataModule(L.LightningDataModule):
             raise ValueError(f"--data.minibatches_per_step ({self.minibatches_per_step}) and "
                              f"--data.ppo_epochs ({self.ppo_epochs}) must be >= 1: together "
                              f"they are the optimizer steps per RL step")
-        a = self.allocator
-        needed = (a.root_budget // a.group_size if a.kind in ("uniform", "random_tree")
-                  else -(-a.root_budget // a.max_rollouts_per_prompt) + a.n_explore)
+        needed = self.allocator.prompts_needed
         if self.candidates_per_step < needed:
             raise ValueError(f"--data.candidates_per_step ({self.candidates_per_step}) is smaller "
                              f"than the {needed} prompts allocator {self.allocator.kind!r} needs "
@@ -292,11 +290,26 @@ class TraceDataModule(L.LightningDataModule):
             self._http_retriever().check()  # fail before any work starts
         if stage == "fit" and not self.train_examples:
             self.train_examples = load_qa(self.train_path, limit=self.train_limit)
+            needed = self.allocator.prompts_needed
+            if len(self.train_examples) < needed:
+                raise ValueError(
+                    f"{self.train_path} holds {len(self.train_examples)} training questions "
+                    f"(--data.train, --data.train_limit {self.train_limit}), fewer than the "
+                    f"{needed} prompts allocator {self.allocator.kind!r} needs per step; give "
+                    f"more questions or lower --data.allocator.roots")
         if not self.val_examples:
             # the set's name is the metric key, whatever the records call themselves
             self.val_examples = {v.name: [replace(e, dataset=v.name)
                                           for e in load_qa(v.path, limit=v.limit)]
                                  for v in self.val_sets}
+        world = self._rank[1]
+        for name, examples in self.val_examples.items():
+            if len(examples) < world:
+                raise ValueError(
+                    f"validation set {name!r} holds {len(examples)} questions, fewer than the "
+                    f"{world} processes: one without any would skip validation while the "
+                    f"others wait for it to gather accuracy (a hang); give it at least {world} "
+                    f"(its limit in --data.val) or leave it out")
         if self.engine is None:
             from transformers import AutoTokenizer
 
