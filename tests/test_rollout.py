@@ -404,11 +404,22 @@ def test_max_seq_tokens_ends_with_reward_zero(vllm_scripted, retriever, tokenize
         assert {n.finish_reason for n in tree.leaves()} <= {"answer", "max_tokens"}
 
 
-@pytest.mark.parametrize("margin", [3, 0, -2])
+def test_prompt_without_room_for_a_turn_is_a_clear_error(retriever, tokenizer, examples):
+    env = make_env(tokenizer, retriever)
+    length = len(env.prompt(examples[0].question)[0])
+    AgentLoop(None, make_env(tokenizer, retriever, max_seq_tokens=length + 1),
+              SAMPLING).new_tree(examples[0])  # one token of room: fine
+    with pytest.raises(ValueError, match=rf"is {length} tokens, at or over "
+                                         rf"--data.env.max_seq_tokens \({length}\)"):
+        AgentLoop(None, make_env(tokenizer, retriever, max_seq_tokens=length),
+                  SAMPLING).new_tree(examples[0])
+
+
+@pytest.mark.parametrize("margin", [3, 1])
 def test_turn_cut_at_max_seq_tokens_is_max_tokens(vllm_scripted, retriever, tokenizer, examples,
                                                   margin):
     """A greedy scripted turn is 6 tokens (``<think> film</think><search> American</search>``);
-    the limit leaves ``margin`` of them (none when the prompt is already at or over it)."""
+    the limit leaves ``margin`` of them (a prompt at or over it is an error, tested above)."""
     probe_env = make_env(tokenizer, retriever)
     prompt_len = len(probe_env.prompt(examples[0].question)[0])
     limit = prompt_len + margin
@@ -416,7 +427,7 @@ def test_turn_cut_at_max_seq_tokens_is_max_tokens(vllm_scripted, retriever, toke
     _, (tree,), _ = grow(vllm_scripted, env, examples[:1], 1, seed=0, sampling=GREEDY)
     (leaf,) = tree.leaves()
     assert leaf.depth == 1 and leaf.reward == 0.0
-    assert len(tree.flatten()[0].input_ids) <= max(limit, prompt_len)
+    assert len(tree.flatten()[0].input_ids) <= limit
     assert leaf.finish_reason == "max_tokens"
 
 

@@ -57,6 +57,12 @@ class AgentLoop:
 
     def new_tree(self, example: QAExample) -> RolloutTree:
         ids, text = self.env.prompt(example.question)
+        if len(ids) >= self.env.max_seq_tokens:  # every rollout would end empty, reward 0
+            raise ValueError(
+                f"the prompt of question {example.id!r} is {len(ids)} tokens, at or over "
+                f"--data.env.max_seq_tokens ({self.env.max_seq_tokens}): no room for a turn; "
+                f"raise it (and --data.engine.max_model_len) or shorten "
+                f"--data.env.instruction")
         return RolloutTree.new(example.id, example.question, example.answers, ids, text,
                                dataset=example.dataset)
 
