@@ -466,5 +466,9 @@ def test_two_process_ddp_fit_shares_one_global_budget(demo_dir, tmp_path):
     ids = [{t.tree_id for t in trees} for trees in ranks]
     assert ids[0] and ids[1] and not ids[0] & ids[1]  # disjoint shares
     assert sum(len(t.leaves()) for trees in ranks for t in trees) == 16  # 8 * (1 + 1)
-    assert scalars(tmp_path)["alloc/leaves"] == [16.0]
+    logged = scalars(tmp_path)
+    assert logged["alloc/leaves"] == [16.0]
     assert next(tmp_path.rglob("last.ckpt")).exists()
+    # the training statistics are the mini-batches' over both ranks, not rank 0's share
+    tokens = sum(sum(s.policy_mask) for trees in ranks for t in trees for s in t.flatten())
+    assert sum(logged["train/policy_tokens"]) == tokens

@@ -250,8 +250,16 @@ class TraceModule(L.LightningModule):
             parts = {k: v * w for k, v in stats.items()} | {"loss": loss.detach(), "tokens": w}
             for k, v in parts.items():
                 sums[k] = sums.get(k, zero) + v
-        names = list(sums) + ["ratio_max"]
-        values = dict(zip(names, torch.stack([*sums.values(), ratio_max]).tolist()))  # one sync
+        totals = torch.stack(list(sums.values()))  # (K,): token-weighted sums, loss, tokens
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1 and torch.distributed.is_initialized():
+            # the mini-batch's statistics over every rank's tokens (each rank's own would be
+            # logged from rank 0 alone); a NaN anywhere then stops every rank alike
+            torch.distributed.all_reduce(totals)
+            torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX)
+            totals[list(sums).index("loss")] /= world  # DDP averages the ranks' gradients
+        values = dict(zip([*sums, "ratio_max"],
+                          torch.cat([totals, ratio_max[None]]).tolist()))  # one host sync
         if not math.isfinite(values["loss"]):
             opt.zero_grad(set_to_none=True)
             raise FloatingPointError(
