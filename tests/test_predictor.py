@@ -391,8 +391,13 @@ def _uneven_ranks_worker(rank: int, world: int, out_dir: str) -> None:
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    plain = Qwen3ForCausalLM(cfg)
     policy = FSDP(Qwen3ForCausalLM(cfg), device_id=torch.device("cpu"),
                   auto_wrap_policy=ModuleWrapPolicy({Qwen3DecoderLayer}))
+    policy.load_state_dict(plain.state_dict())
+    head_rows = []
+    policy.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: head_rows.append(out.shape[1]))
     trees = []
     for i in range(2 if rank == 0 else 0):
         t = RolloutTree.new(f"t{i}", "q", ["a"], list(range(1, 9)))
@@ -404,7 +409,8 @@ def _uneven_ranks_worker(rank: int, world: int, out_dir: str) -> None:
     try:
         feats = node_features(policy, trees, batch_tokens=8)  # one forward per path on rank 0
         batch = _all_gather_batch(training_batch(trees, feats), SimpleNamespace(world_size=2))
-        torch.save({"features": batch.features, "value": batch.value},
+        torch.save({"features": batch.features, "value": batch.value, "head_rows": head_rows,
+                    "plain": training_batch(trees, node_features(plain, trees, 8)).features},
                    f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -420,3 +426,6 @@ def test_ranks_with_uneven_trees_featurise_and_gather_under_fsdp(tmp_path):
     assert r0["features"].shape == (2, 32)  # the two roots (leaves are not targets)
     torch.testing.assert_close(r0["features"], r1["features"], atol=0, rtol=0)
     assert r0["value"].tolist() == r1["value"].tolist() == [0.5, 0.5]
+    # the decoder's hidden states, as without FSDP; the LM head ran on one row per forward
+    torch.testing.assert_close(r0["features"], r0["plain"], atol=1e-5, rtol=0)
+    assert r0["head_rows"] and set(r0["head_rows"]) == {1}

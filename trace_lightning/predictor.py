@@ -73,7 +73,8 @@ def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
     Returns one float32 CPU tensor (len(positions[i]), D) per sequence. Runs the decoder body
     (``policy.get_decoder()``), not ``lm_head``: no vocabulary-sized logits are computed.
     A policy wrapped whole by FSDP runs through its wrapper instead (the wrapper gathers
-    the embedding and final norm it owns) and reads ``hidden_states[-1]``.
+    the embedding and final norm it owns), reads ``hidden_states[-1]`` and keeps the LM
+    head to the last row (``logits_to_keep=1``).
 
     Batches are right-padded and passed without an attention mask: under causal attention a
     real token never sees the padding after it, so its hidden state is the same (tested), and
@@ -91,7 +92,8 @@ def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
     policy.eval()
     if isinstance(policy, FSDP):
         def decoder(**kw):
-            out = policy(**kw, output_hidden_states=True)
+            # logits_to_keep=1: the LM head runs on one row per sequence, not (B, T, V)
+            out = policy(**kw, output_hidden_states=True, logits_to_keep=1)
             return SimpleNamespace(last_hidden_state=out.hidden_states[-1])
         device = next(policy.parameters()).device
     else:
