@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import random
 
@@ -217,6 +218,18 @@ def test_a_fit_that_beats_nothing_leaves_the_predictor_as_it_was():
     torch.testing.assert_close(pred.predict(shifted, torch.zeros(200)), p_before)
     assert stats["predictor/loss_before"] == pytest.approx(
         weighted_squared_error(p_before, y, torch.ones(200)).item())
+    # passes that all make it worse (a huge lr) are undone, the optimizer's moments too:
+    # the next fit's first steps would otherwise follow the discarded passes' momentum
+    moments = copy.deepcopy(opt.state_dict()["state"])
+    for g in opt.param_groups:
+        g["lr"] = 10.0
+    stats = fit_predictor(pred, opt, replay(x), epochs=3, batch_size=32, generator=gen,
+                          holdout=0.2)
+    assert stats["predictor/epochs_kept"] == 0
+    after = opt.state_dict()["state"]
+    for k in moments:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(after[k][name], moments[k][name], atol=0, rtol=0)
 
 
 def test_early_stopping_keeps_the_predictor_from_memorising_noise():

@@ -491,6 +491,7 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
     before = loss_on()
     best = loss_on(held) if n_held else math.inf
     best_state, kept = copy.deepcopy(predictor.state_dict()), 0
+    best_moments = copy.deepcopy(optimizer.state_dict())  # restored with the weights
     predictor.set_normalisation(feats)
     was_training = predictor.training
     updates = 0
@@ -512,10 +513,12 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
             if held_loss < best:
                 best, kept = held_loss, epoch
                 best_state = copy.deepcopy(predictor.state_dict())
+                best_moments = copy.deepcopy(optimizer.state_dict())
         else:
             kept = epoch
-    if n_held:
+    if n_held:  # the kept pass's weights, and the optimizer's moments as they were then
         predictor.load_state_dict(best_state)
+        optimizer.load_state_dict(best_moments)
     predictor.train(was_training)
     after = loss_on()
     assert math.isfinite(after), "predictor loss is not finite"
