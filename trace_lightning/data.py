@@ -408,7 +408,9 @@ class TraceDataModule(L.LightningDataModule):
 
         step = collect_step(loop, self.allocator, candidates, predict=predict,
                             predictor_nodes_seen=module.predictor_nodes_seen, epoch=epoch,
-                            seed=int(self._rng.integers(2**31 - 1)) + rank,
+                            # stage 1 samples with seed, stage 2 with seed + 1: 2 * rank keeps
+                            # every rank's streams apart
+                            seed=int(self._rng.integers(2**31 - 1)) + 2 * rank,
                             advantage=self.advantage, shard=(rank, world))
         if bar is not None:
             bar.close()
