@@ -431,6 +431,31 @@ def test_turn_cut_at_max_seq_tokens_is_max_tokens(vllm_scripted, retriever, toke
     assert leaf.finish_reason == "max_tokens"
 
 
+def test_collect_step_rolls_out_the_agreed_root_plan(vllm_random, retriever, tokenizer,
+                                                     examples):
+    """The ranks' root plans are made one (rank 0's) before any rollout: the step opens the
+    agreed prompts, whatever this process planned; stage 1 is recorded per tree."""
+    from dataclasses import replace
+
+    from trace_lightning.allocators import Allocator
+    from trace_lightning.collect import collect_step
+
+    alloc = Allocator("uniform", roots=8, continuations=0, max_rollouts_per_prompt=4,
+                      group_size=4)  # plans the first 2 candidates, 4 rollouts each
+    agreed = [0, 0, 0, 0, 4, 4, 0]
+
+    def agree(plan):
+        assert plan.rollouts == [4, 4, 0, 0, 0, 0, 0]
+        return replace(plan, rollouts=agreed)
+
+    loop = AgentLoop(vllm_random, make_env(tokenizer, retriever), SAMPLING)
+    step = collect_step(loop, alloc, examples, predict=None, predictor_nodes_seen=0, epoch=0,
+                        seed=0, advantage="grpo", agree=agree)
+    assert [t.tree_id for t in step.trees] == [examples[4].id, examples[5].id]
+    assert step.root_plan == agreed and step.stage1 == [4, 4]
+    assert step.budget.leaves == 8 == len(step.sequences)
+
+
 # ---- the transformers engine -----------------------------------------------------------------
 
 def test_hf_engine_grows_trees_of_the_same_shape(vllm_random, policies, retriever, tokenizer,

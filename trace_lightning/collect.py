@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trace_lightning.advantage import assign_advantages
-from trace_lightning.allocators import Allocator
+from trace_lightning.allocators import Allocator, RootPlan
 from trace_lightning.datasets import QAExample
 from trace_lightning.rollout import AgentLoop, Start
 from trace_lightning.tree import Budget, LeafSequence, RolloutTree
@@ -45,13 +45,17 @@ class RolloutStep:
 
 def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAExample],
                  predict: Predict | None, predictor_nodes_seen: int, epoch: int, seed: int,
-                 advantage: str, shard: tuple[int, int] = (0, 1)) -> RolloutStep:
+                 advantage: str, shard: tuple[int, int] = (0, 1),
+                 agree: Callable[[RootPlan], RootPlan] | None = None) -> RolloutStep:
     """Build one step's trees with ``allocator`` and turn them into training sequences.
 
     ``predict`` is the shared predictor for ``trace``/``prompt``, or an estimate from extra
     rollouts for ``oracle`` (see ``oracle_predict``); allocators that need no predictions
     never call it. ``shard=(rank, world_size)``: every rank plans the same global budget and
-    rolls out the chosen prompts ``rank::world_size``.
+    rolls out the chosen prompts ``rank::world_size``. ``agree`` makes the ranks' root plans
+    one (the data module passes rank 0's to all): each rank computes its own predictions,
+    and a last-bit difference between them (GPU kernels) could flip a solver's choice, so a
+    prompt would be rolled out twice and another not at all.
     """
     seconds: dict[str, float] = {}
     tic = time.perf_counter()
@@ -68,6 +72,8 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     plan = allocator.plan_roots(len(trees), [t.root.prediction for t in trees]
                                 if informed else None, predictor_nodes_seen,
                                 [t.root.prediction_count for t in trees] if informed else None)
+    if agree is not None:
+        plan = agree(plan)
     rank, world = shard
     opened = [(t, m) for t, m in zip(trees, plan.rollouts) if m > 0][rank::world]
     chosen = [t for t, _ in opened]

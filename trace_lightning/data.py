@@ -411,7 +411,8 @@ class TraceDataModule(L.LightningDataModule):
                             # stage 1 samples with seed, stage 2 with seed + 1: 2 * rank keeps
                             # every rank's streams apart
                             seed=int(self._rng.integers(2**31 - 1)) + 2 * rank,
-                            advantage=self.advantage, shard=(rank, world))
+                            advantage=self.advantage, shard=(rank, world),
+                            agree=_from_rank0 if world > 1 else None)
         if bar is not None:
             bar.close()
         self.last_step = step
@@ -525,6 +526,13 @@ class _SampleOnIter(Sampler):
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+def _from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (a collective)."""
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def equalise_over_ranks(minibatches: list[dict], pad_id: int,
