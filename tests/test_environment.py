@@ -254,6 +254,13 @@ def test_observation_format(env, retriever, tokenizer):
     assert env.observe([]) == []
 
 
+@pytest.mark.parametrize("flag, value", [("topk", 0), ("max_turns", 0), ("max_obs_tokens", -1),
+                                         ("max_seq_tokens", 0), ("max_query_chars", 0)])
+def test_limits_below_their_least_name_the_flag(tokenizer, retriever, flag, value):
+    with pytest.raises(ValueError, match=rf"--data.env.{flag} \({value}\) must be >="):
+        SearchEnvironment(tokenizer, retriever, **{flag: value})
+
+
 @pytest.mark.parametrize("max_obs_tokens", [0, 1, 12, 40])
 def test_observation_is_cut_to_max_obs_tokens(tokenizer, retriever, max_obs_tokens):
     env = SearchEnvironment(tokenizer, retriever, topk=3, max_obs_tokens=max_obs_tokens)

@@ -228,6 +228,10 @@ def test_console_entry_serves_a_corpus(shared_data, tmp_path):
         assert hits[0].title == "Silas Hardy" and len(hits) == 7
         with pytest.raises(RetrieverError, match=r"\[1, 7\]"):
             client.search(["Silas Hardy"], 8)
+        # the run's topk is checked before any work: the flag to change is named
+        client.check(topk=7)
+        with pytest.raises(RetrieverError, match=r"\[1, 7\].*topk 8 \(--data.env.topk\)"):
+            client.check(topk=8)
     finally:
         process.terminate()
         process.wait(timeout=10)

@@ -287,7 +287,7 @@ class TraceDataModule(L.LightningDataModule):
         # the tokenizer and the engine read a directory: a hub id's cached snapshot
         self.policy_dir = local_model_dir(self.policy_path)
         if self.retriever_url:
-            self._http_retriever().check()  # fail before any work starts
+            self._http_retriever().check(self.env_cfg.topk)  # fail before any work starts
         if stage == "fit" and not self.train_examples:
             self.train_examples = load_qa(self.train_path, limit=self.train_limit)
             needed = self.allocator.prompts_needed

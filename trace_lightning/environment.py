@@ -134,8 +134,12 @@ class SearchEnvironment:
         if "{question}" not in instruction:
             raise ValueError(f"--data.env.instruction must contain '{{question}}'; got "
                              f"{instruction[:80]!r}")
-        if max_query_chars < 1:
-            raise ValueError(f"--data.env.max_query_chars ({max_query_chars}) must be >= 1")
+        for flag, value, least in (("max_query_chars", max_query_chars, 1), ("topk", topk, 1),
+                                   ("max_turns", max_turns, 1),
+                                   ("max_obs_tokens", max_obs_tokens, 0),  # 0: tags only
+                                   ("max_seq_tokens", max_seq_tokens, 1)):
+            if value < least:
+                raise ValueError(f"--data.env.{flag} ({value}) must be >= {least}")
         if reward not in ("em", "f1", "f1_threshold"):
             raise ValueError(f"--data.env.reward ({reward!r}) must be one of 'em', 'f1', "
                              f"'f1_threshold'")

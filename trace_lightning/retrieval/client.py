@@ -86,19 +86,28 @@ class HTTPRetriever:
             results.extend(self._parse(data, len(chunk)))
         return results
 
-    def check(self) -> None:
-        """Fail fast: raise RetrieverError unless the server answers ``/health``.
+    def check(self, topk: int = 1) -> None:
+        """Fail fast: raise RetrieverError unless the server answers ``/health`` and a
+        one-query search for ``topk`` passages (the run's ``--data.env.topk``: a server may
+        refuse more, e.g. ``trace-lightning-retriever --topk-max``).
 
-        A server without ``/health`` (404, e.g. Search-R1's own) is checked with a one-query
-        retrieve instead.
+        A server without ``/health`` (404, e.g. Search-R1's own) is checked by the search
+        alone.
         """
         try:
             self._request("/health", None)
         except RetrieverError as e:
             if e.status != 404:
                 raise
-            self._parse(self._request("/retrieve", {"queries": ["test"], "topk": 1,
+        try:
+            self._parse(self._request("/retrieve", {"queries": ["test"], "topk": topk,
                                                     "return_scores": True}), 1)
+        except RetrieverError as e:
+            if e.status is None or not 400 <= e.status < 500:
+                raise
+            raise RetrieverError(f"{e}; the run searches with topk {topk} "
+                                 f"(--data.env.topk): lower it, or raise the server's limit",
+                                 status=e.status) from None
 
     # -- internals ------------------------------------------------------------------------
 
