@@ -76,9 +76,8 @@ class QAAccuracy(pl.Callback):
         return self.metrics[name]
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for m in self.metrics.values():
-            m.to(pl_module.device)
-            m.reset()
+        # only the sets this validation sees: one from an earlier run would log its 0 count
+        self.metrics.clear()
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                 outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:

@@ -301,6 +301,18 @@ def test_wrong_datamodule_fails_at_setup(tmp_path):
         trainer(tmp_path, [RewardVariance()]).fit(TinyModule(), datamodule=Plain())
 
 
+def test_qa_accuracy_reports_only_the_sets_of_this_validation(tmp_path):
+    """Validating on fewer sets than the fit did logs nothing for the missing ones."""
+    qa = QAAccuracy()
+    t = trainer(tmp_path, [qa])
+    t.fit(TinyModule(), datamodule=StepData([build_step(0)]))
+    assert any(k.startswith("val/nq/") for k in qa.last_metrics)
+    (got,) = t.validate(TinyModule(), verbose=False, datamodule=StepData(
+        [build_step(0)], val_rows={"hotpotqa": VAL_ROWS["hotpotqa"]}))
+    assert not [k for k in got if k.startswith("val/nq/")], got
+    assert got["val/em"] == got["val/hotpotqa/em"]
+
+
 def test_qa_accuracy_rejects_a_validation_step_without_the_batch(tmp_path):
     class NoOutputs(TinyModule):
         def validation_step(self, batch, batch_idx, dataloader_idx=0):
