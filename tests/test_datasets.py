@@ -74,6 +74,15 @@ def test_malformed_lines_are_named(tmp_path, bad_line, message):
         load_qa(path)
 
 
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "dev.jsonl"
+    path.write_bytes(b'{"id": "1", "question": "Q?", "answers": ["a"]}\n\n'
+                     b'{"id": "2", "question": "Caf\xe9?", "answers": ["a"]}\n')  # Latin-1
+    with pytest.raises(ValueError, match=r"dev\.jsonl:3 is not UTF-8"):
+        load_qa(path)
+    assert len(load_qa(path, limit=1)) == 1  # lines before it read as ever
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"QA file .*absent\.jsonl does not exist"):
         load_qa(tmp_path / "absent.jsonl")

@@ -124,6 +124,14 @@ def test_corpus_line_that_is_not_json_is_named(tmp_path):
         BM25Retriever(str(corpus), cache_dir=str(tmp_path))
 
 
+def test_corpus_line_that_is_not_utf8_is_named(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(b'{"id": "1", "title": "A", "text": "alpha"}\n'
+                       b'{"id": "2", "title": "B", "text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"c\.jsonl:2 is not UTF-8"):
+        BM25Retriever(str(corpus), cache_dir=str(tmp_path))
+
+
 def test_corpus_record_without_text_is_named(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "1", "title": "A", "text": "alpha"}\n{"id": "2", "title": "B"}\n')

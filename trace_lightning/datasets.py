@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trace_lightning.jsonl import jsonl_lines
+
 _SCHEMA = ('each line must be a JSON object {"id", "question", "answers": [str, ...]} '
            '(or FlashRAG\'s "golden_answers" instead of "answers")')
 
@@ -90,24 +92,23 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
     fallback = dataset or path.resolve().parent.name
     examples: list[QAExample] = []
     first_line: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if limit is not None and len(examples) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where} is not JSON ({e}); {_SCHEMA}") from None
-            example = _parse(record, where, fallback)
-            if example.id in first_line:
-                raise ValueError(f"{where} repeats id {example.id!r} of line "
-                                 f"{first_line[example.id]}; ids must be unique (the "
-                                 f"train/val split and the logs key on them)")
-            first_line[example.id] = line_no
-            examples.append(example)
+    if limit == 0:
+        return examples
+    for line_no, line in jsonl_lines(path):
+        where = f"{path}:{line_no}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not JSON ({e}); {_SCHEMA}") from None
+        example = _parse(record, where, fallback)
+        if example.id in first_line:
+            raise ValueError(f"{where} repeats id {example.id!r} of line "
+                             f"{first_line[example.id]}; ids must be unique (the "
+                             f"train/val split and the logs key on them)")
+        first_line[example.id] = line_no
+        examples.append(example)
+        if limit is not None and len(examples) >= limit:
+            break  # lines after the last one wanted are not read
     return examples
 
 

@@ -36,6 +36,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import bm25s  # noqa: E402
 import numpy as np  # noqa: E402
 
+from trace_lightning.jsonl import jsonl_lines
 from trace_lightning.retrieval import DOCUMENT_FORMS, Passage
 
 TOKEN_PATTERN = r"(?u)\b\w\w+\b"
@@ -53,16 +54,13 @@ def load_corpus(path: str | os.PathLike) -> list[Passage]:
                                 f"whose lines are {DOCUMENT_FORMS} "
                                 f"(e.g. ../shared/data/hotpotqa/corpus.jsonl)")
     passages = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"corpus {path} line {line_no} is not JSON ({e}); "
-                                 f"{_FORMS}") from None
-            passages.append(Passage.from_record(record, f"corpus {path} line {line_no}"))
+    for line_no, line in jsonl_lines(path):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"corpus {path} line {line_no} is not JSON ({e}); "
+                             f"{_FORMS}") from None
+        passages.append(Passage.from_record(record, f"corpus {path} line {line_no}"))
     if not passages:
         raise ValueError(f"corpus {path} holds no documents; {_FORMS}")
     return passages

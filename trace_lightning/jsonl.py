@@ -1,0 +1,24 @@
+"""Reading JSONL files line by line, with the line that fails named."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each non-blank line of ``path``, decoded as UTF-8.
+
+    Decoded line by line (not by the file object's buffer), so a line that is not UTF-8 (a
+    Latin-1 export) is a ValueError naming the file and the line, not a ``UnicodeDecodeError``
+    at a byte offset into some buffer.
+    """
+    with Path(path).open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{line_no} is not UTF-8 ({e}); convert the file, e.g. "
+                                 f"`iconv -f latin1 -t utf-8`") from None
+            if line.strip():
+                yield line_no, line
