@@ -191,6 +191,9 @@ def main(argv=None) -> dict:
     args.plot = args.plot or ("docs/learning.png" if not args.quick
                               else str(Path(args.out_dir) / "learning.png"))
     methods = args.methods.split(",")
+    if args.target is None and "uniform" not in methods:  # before hours of runs, not after
+        raise SystemExit("learning.py: --target is needed when --methods has no 'uniform' "
+                         "(whose final accuracy is the default target)")
     seeds = [int(s) for s in args.seeds.split(",")]
     root = Path(args.out_dir)
     runs = [run(m, s, args, root) for s in seeds for m in methods]

@@ -85,3 +85,9 @@ def test_final_eval_validates_the_fit_checkpoint_once(bench, tmp_path, monkeypat
     assert len(calls) == 1
     bench.final_eval(run, ["--config", "demo.yaml"], [], 4)
     assert len(calls) == 2 and "--data.val_samples=4" in calls[1]
+
+
+def test_without_uniform_the_target_is_asked_for_before_any_run(bench, monkeypatch):
+    monkeypatch.setattr(bench, "run", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit, match="--target is needed"):
+        bench.main(["--methods", "trace,prompt", "--seeds", "0"])
