@@ -58,6 +58,8 @@ def test_gpu_benchmark_tiny_runs_every_section(tmp_path):
     assert 0.45 < pad["policy_token_share"] < 0.75
     assert results["generation"]["new_tokens"] == 4 * 8  # gen batch 4, 8 new tokens each
     assert "ours/plain" in results["ratios"]
+    assert results["flop_ratios"]["ours/plain"] == pytest.approx(
+        results["ours"]["mfu"] / results["plain"]["mfu"])
 
 
 def test_flops_per_token_of_qwen3_0_6b():
