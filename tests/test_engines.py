@@ -228,6 +228,21 @@ def test_inverse_cdf_sampling_frequencies_and_edges():
     assert inverse_cdf(weights[1:].expand(2, -1), edges).tolist() == [0, 5]
 
 
+def test_inverse_cdf_keeps_the_tail_of_a_large_vocabulary_in_place():
+    """Each token's interval of u is where its probability puts it, also at the end of a
+    151,936-token vocabulary (a float32 running sum misplaced a sixth of the last 2,000)."""
+    from trace_lightning.engines.hf_engine import inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.rand(151_936, generator=gen) ** 4
+    p = (p / p.sum()).float()  # (V,) as softmax gives them
+    cdf = p.double().cumsum(0)  # (V,)
+    tail = torch.arange(len(p) - 2000, len(p))
+    tail = tail[p[tail] > 1e-9]  # tokens whose interval is wider than float64's rounding
+    mid = (cdf[tail] - p[tail].double() / 2) / cdf[-1]  # (T,): the middle of each interval
+    assert torch.equal(inverse_cdf(p.expand(len(tail), -1), mid), tail)
+
+
 def test_hf_engine_samples_do_not_depend_on_the_batch(hf_engine, prompts):
     """Sample k of prompt i comes from its own generator (seed + i * n + k): generated with
     the other prompts or alone, it is the same completion."""
