@@ -425,8 +425,12 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
                     "activation_checkpointing_policy": [
                         "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer"],
                     "state_dict_type": "sharded"}}
+    # 5 prompts (3 on rank 0, 2 on rank 1) and one featuriser forward per path: the ranks
+    # need different numbers of forwards, each a collective under FSDP, and must still meet
     args = demo_args(demo_dir, tmp_path, 1, "--trainer.devices=2",
-                     f"--trainer.strategy={json.dumps(strategy)}", "--model.weight_decay=0.1")
+                     f"--trainer.strategy={json.dumps(strategy)}", "--model.weight_decay=0.1",
+                     "--data.allocator.kind=uniform", "--data.allocator.roots=10",
+                     "--model.featuriser.batch_tokens=1")
     script = Path(sys.executable).parent / "trace-lightning"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([str(script), "fit", *args], env=env, cwd=REPO, capture_output=True,
