@@ -285,6 +285,21 @@ def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
         assert stats[precision] == pytest.approx(stats["32-true"])
 
 
+def test_the_policy_trains_without_dropout(tmp_path):
+    """A checkpoint saved with attention dropout: in train mode its log-probs would vary
+    from pass to pass (and from the sampler's) before any update; the module turns it off."""
+    torch.manual_seed(0)
+    cfg = tiny_qwen3_config(VOCAB)
+    cfg.attention_dropout = 0.5
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
+    module = TraceModule(policy_path=str(tmp_path))
+    module.configure_model()
+    assert module.policy.training and module.policy.config.attention_dropout == 0.0
+    ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    first, second = (module.policy(input_ids=ids).logits for _ in range(2))
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+
+
 def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
     """A NaN in one micro-batch raises a clear error and leaves every weight unchanged."""
     batch = _minibatch(2, advantage_nan=True)

@@ -18,7 +18,7 @@ import math
 
 import lightning as L
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trace_lightning.advantage import AdvantageKind
 from trace_lightning.collect import RolloutStep
@@ -29,6 +29,23 @@ from trace_lightning.predictor import (Featuriser, ReplayBuffer, SuccessPredicto
                                        fit_predictor, predict_nodes, training_batch)
 from trace_lightning.tree import RolloutTree
 
+
+
+# Dropout probabilities in transformers configs (names vary by architecture).
+DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop",
+                "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                "classifier_dropout", "activation_dropout")
+
+
+def without_dropout(config):
+    """``config`` with every dropout probability 0: the policy trains in train mode, and a
+    dropout mask there would make its log-probs differ from the sampler's (which runs in eval
+    mode) before any update, so the PPO ratio and its clipping would see noise, not policy
+    change (as TRL and verl do)."""
+    for key in DROPOUT_KEYS:
+        if isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+    return config
 
 
 class TraceModule(L.LightningModule):
@@ -106,14 +123,18 @@ class TraceModule(L.LightningModule):
             return
         dtype = getattr(torch, self.hparams.dtype)
         try:
-            self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.policy_path,
-                                                               dtype=dtype)
+            config = without_dropout(AutoConfig.from_pretrained(self.hparams.policy_path))
+            self.policy = AutoModelForCausalLM.from_pretrained(
+                self.hparams.policy_path, config=config, dtype=dtype)
         except OSError as e:
             raise FileNotFoundError(
                 f"--model.policy_path ({self.hparams.policy_path!r}) could not be loaded ({e}); "
                 f"give a directory saved with save_pretrained, or set --data.demo so the demo "
                 f"policy is built there") from e
-        self.policy.train()  # from_pretrained returns eval mode
+        self.policy.train()  # from_pretrained returns eval mode (dropout is off: see above)
+        for m in self.policy.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
         if self.hparams.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if self.hparams.kl_coef > 0:
