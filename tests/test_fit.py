@@ -259,6 +259,11 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     assert after == 2
     assert seen["generate"] and all(seen["generate"])
     assert len(seen["load_weights"]) == 2 and all(seen["load_weights"])  # rollout, validation
+    # validating again in the same process (a notebook): fit's teardown closed the engine and
+    # the new one starts from policy_path, so it gets the trained weights again, although
+    # global_step has not moved since the last sync
+    out.trainer.validate(out.model, datamodule=out.datamodule, verbose=False)
+    assert len(seen["load_weights"]) == 3 and out.datamodule.sync_diff < 1e-3
 
 
 def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):

@@ -487,6 +487,7 @@ class TraceDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         self._rng.bit_generator.state = state["rng"]
         self.allocator.load_state_dict(state["allocator"])
+        self._synced_step = None  # restored weights: sync them before sampling
 
     def teardown(self, stage: str) -> None:
         """Release the engine (its KV cache and weights) at the end of fit/validate, so a
@@ -495,6 +496,9 @@ class TraceDataModule(L.LightningDataModule):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        # the next engine starts from policy_path's weights: it must be synced, whatever the
+        # step (validate does not move global_step, so the step alone cannot tell)
+        self._synced_step = None
 
 
 class _ValRollouts(Dataset):
