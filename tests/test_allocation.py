@@ -265,6 +265,11 @@ def test_spread_random_is_seeded_and_conserves_budget():
     assert a.counts[1] == []
     c = spread_random([1, 0], [5, 1], np.random.default_rng(0), cap=2)
     assert c.counts == [[2], []] and c.pool_returned == 4 and c.unspent == 4
+    # uniform over a prompt's prefixes: 40,000 units over 4 prefixes, 10,000 +- 5 sigma each
+    (counts,) = spread_random([4], [40_000], np.random.default_rng(1)).counts
+    sigma = (40_000 * 0.25 * 0.75) ** 0.5
+    assert all(abs(k - 10_000) <= 5 * sigma for k in counts)
+    assert counts != spread_random([4], [40_000], np.random.default_rng(2)).counts[0]
 
 
 # ---- stage 1 with uncertain predictions ----------------------------------------------------

@@ -39,6 +39,8 @@ def test_weighted_brier_by_hand():
     assert brier_skill(p, y, w) == pytest.approx(1 - 0.04 / 0.1875, abs=1e-12)
     # fractional outcomes (node values) work the same: y = 0.5 with p = 0.5 costs nothing
     assert brier([0.5], [0.5]) == 0.0
+    # unequal errors: the weights matter, (3 * 0.2^2 + 1 * 0.5^2) / 4 = 0.3700 / 4 = 0.0925
+    assert brier([0.2, 0.5], [0.0, 1.0], [3.0, 1.0]) == pytest.approx(0.0925, abs=1e-12)
 
 
 def test_brier_skill_undefined_for_constant_outcomes():

@@ -243,6 +243,30 @@ def test_inverse_cdf_keeps_the_tail_of_a_large_vocabulary_in_place():
     assert torch.equal(inverse_cdf(p.expand(len(tail), -1), mid), tail)
 
 
+def test_hf_engine_sampling_applies_top_p_and_temperature():
+    """Top-p keeps the most likely tokens while the mass before each is below p, then
+    renormalises; temperature sharpens. Probabilities (0.5, 0.3, 0.2), 8,000 draws."""
+    n = 8000
+    logits = torch.tensor([0.5, 0.3, 0.2]).log().expand(n, -1)  # (n, 3)
+
+    def freq(temperature: float, top_p: float) -> torch.Tensor:
+        gens = [torch.Generator().manual_seed(i) for i in range(n)]
+        tokens = HFEngine._sample(logits, gens, SamplingConfig(temperature=temperature,
+                                                               top_p=top_p))
+        return torch.bincount(tokens, minlength=3).double() / n
+
+    def close(got, want):
+        want = torch.tensor(want, dtype=torch.float64)
+        sigma = (want * (1 - want) / n).sqrt()
+        return bool(((got - want).abs() <= 5 * sigma + 1e-12).all())
+
+    assert freq(1.0, 0.45).tolist() == [1.0, 0.0, 0.0]  # mass before token 1 is 0.5
+    assert close(freq(1.0, 0.7), [5 / 8, 3 / 8, 0.0])  # 0 and 1 kept, 5:3
+    assert close(freq(1.0, 1.0), [0.5, 0.3, 0.2])
+    # T = 0.5 squares the odds: 0.25 : 0.09 : 0.04 over 0.38
+    assert close(freq(0.5, 1.0), [0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38])
+
+
 def test_hf_engine_samples_do_not_depend_on_the_batch(hf_engine, prompts):
     """Sample k of prompt i comes from its own generator (seed + i * n + k): generated with
     the other prompts or alone, it is the same completion."""

@@ -261,6 +261,14 @@ def test_limits_below_their_least_name_the_flag(tokenizer, retriever, flag, valu
         SearchEnvironment(tokenizer, retriever, **{flag: value})
 
 
+@pytest.mark.parametrize("topk", [1, 2, 5])
+def test_observation_holds_topk_passages(tokenizer, retriever, topk):
+    env = SearchEnvironment(tokenizer, retriever, topk=topk, max_obs_tokens=10_000)
+    ((_, text),) = env.observe(["Silas Hardy English cricketer"])
+    assert text.count("Doc ") == topk and f"Doc {topk}(" in text
+    assert f"Doc {topk + 1}(" not in text
+
+
 @pytest.mark.parametrize("max_obs_tokens", [0, 1, 12, 40])
 def test_observation_is_cut_to_max_obs_tokens(tokenizer, retriever, max_obs_tokens):
     env = SearchEnvironment(tokenizer, retriever, topk=3, max_obs_tokens=max_obs_tokens)

@@ -276,6 +276,9 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     assert em == pytest.approx(round(em), abs=1e-4)
     trees = out.datamodule.last_val_trees["demo_heldout"]
     assert len(trees) == 16 and all(len(t.leaves()) == 3 for t in trees)
+    # pass@1: the mean over every sample, not one per question
+    leaves = [leaf.em for t in trees for leaf in t.leaves()]
+    assert em / 48 == pytest.approx(sum(leaves) / len(leaves), abs=1e-6)
     with pytest.raises(ValueError, match="--data.val_samples"):
         main(["validate", *demo_args(demo_dir, tmp_path, 1), "--data.val_temperature=0.0",
               "--data.val_samples=2"])

@@ -11,8 +11,9 @@ import shutil
 
 import huggingface_hub.constants
 import pytest
+from transformers import AutoModelForCausalLM
 
-from trace_lightning.engines import build_engine
+from trace_lightning.engines import build_engine, policy_logprobs
 from trace_lightning.hub import local_model_dir
 from trace_lightning.models import build_tiny_from_corpus
 
@@ -20,11 +21,15 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture
-def hub_cache(tmp_path, shared_data, monkeypatch):
-    model = build_tiny_from_corpus(shared_data / "hotpotqa" / "corpus.jsonl", tmp_path / "m",
-                                   vocab_size=512, seed=3)
+def model_dir(tmp_path, shared_data):
+    return build_tiny_from_corpus(shared_data / "hotpotqa" / "corpus.jsonl", tmp_path / "m",
+                                  vocab_size=512, seed=3)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, model_dir, monkeypatch):
     repo = tmp_path / "cache" / "models--trace-test--tiny-qwen3"
-    shutil.copytree(model, repo / "snapshots" / COMMIT)
+    shutil.copytree(model_dir, repo / "snapshots" / COMMIT)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
@@ -32,11 +37,13 @@ def hub_cache(tmp_path, shared_data, monkeypatch):
     return repo / "snapshots" / COMMIT
 
 
-def test_hub_id_resolves_to_its_cached_snapshot_and_the_engine_loads_it(hub_cache):
+def test_hub_id_resolves_to_its_cached_snapshot_and_the_engine_loads_it(hub_cache, model_dir):
     path = local_model_dir("trace-test/tiny-qwen3")
     assert path == str(hub_cache)
     engine = build_engine("hf", path)
-    assert engine.prompt_logprobs([[1, 2, 3]])[0][0] == 0.0
+    # the snapshot's weights: the model built and saved above, token for token
+    want = policy_logprobs(AutoModelForCausalLM.from_pretrained(model_dir), [[5, 17, 42, 9]])
+    assert engine.prompt_logprobs([[5, 17, 42, 9]])[0] == pytest.approx(want[0], abs=1e-6)
 
 
 def test_unresolvable_policy_paths_name_the_flag_and_the_fix(hub_cache, tmp_path):

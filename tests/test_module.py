@@ -136,7 +136,7 @@ def test_training_step_logs_minibatch_statistics(policy_dir):
     ratio_max is the largest over both, computed here from the initial policy."""
     batch = _minibatch(1)
     policy = load(policy_dir)
-    loss_sum, tokens, weighted, ratio_max = 0.0, 0.0, {}, 0.0
+    loss_sum, tokens, weighted, ratio_max, entropies = 0.0, 0.0, {}, 0.0, []
     for mb in batch["micro"]:
         logp, ent = token_logprobs(policy(input_ids=mb["input_ids"]).logits, mb["input_ids"],
                                    with_entropy=True)
@@ -144,6 +144,7 @@ def test_training_step_logs_minibatch_statistics(policy_dir):
                                   clip_low=0.2, clip_high=0.28, normalizer=batch["n_tokens"],
                                   entropy=ent)
         w = float(stats["tokens"])
+        entropies.append(float(stats["entropy"]))
         loss_sum += loss.item()
         tokens += w
         ratio_max = max(ratio_max, float(stats["ratio_max"]))
@@ -156,8 +157,12 @@ def test_training_step_logs_minibatch_statistics(policy_dir):
     assert got["train/ratio_max"] == pytest.approx(ratio_max, rel=1e-5)
     for k, v in weighted.items():
         assert got[f"train/{k}"] == pytest.approx(v / tokens, rel=1e-4, abs=1e-7), k
-    # the two micro-batches' entropies differ, so a mean of means would be another number
-    assert got["train/entropy"] > 0
+    # the micro-batches' entropies differ (by 3e-5 relative here): their plain mean is
+    # another number than the token-weighted one, told apart at a tighter tolerance
+    means = [entropies[i] for i in range(2)]
+    plain_mean = sum(means) / 2
+    assert abs(plain_mean - weighted["entropy"] / tokens) > 1e-5 * plain_mean
+    assert got["train/entropy"] == pytest.approx(weighted["entropy"] / tokens, rel=2e-6)
     # under several ranks the divisor is the mini-batch's tokens over all ranks / ranks
     # (data.equalise_over_ranks), here as if the other rank held 7 times this one's tokens
     shared = dict(batch, normalizer=(batch["n_tokens"] * 8) / 2)

@@ -103,8 +103,8 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
     from trace_lightning.tree import Budget
 
     seqs = skewed(n=12)
-    for s in seqs:
-        s.token_advantages = [s.reward - 0.5] * len(s.input_ids)
+    for k, s in enumerate(seqs):  # distinct per sequence and per token, signs mixed
+        s.token_advantages = [(k - 5.5) + 0.01 * t for t in range(len(s.input_ids))]
     step = RolloutStep(epoch=3, trees=[], candidates=12, root_plan=[1] * 12, sequences=seqs,
                        budget=Budget(leaves=12))
     dm = TraceDataModule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
@@ -116,6 +116,15 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
     def ids(batch):  # the first token of each row names its sequence (k + 3)
         return sorted(int(row[0]) - 3 for mb in batch["micro"] for row in mb["input_ids"])
 
+    # every row trains on its own sequence's advantages, on its policy tokens only
+    for batch in batches:
+        for mb in batch["micro"]:
+            for r, row in enumerate(mb["input_ids"]):
+                s = seqs[int(row[0]) - 3]
+                n = len(s.input_ids)
+                want = torch.tensor(s.token_advantages) * torch.tensor(s.policy_mask)
+                torch.testing.assert_close(mb["advantages"][r, :n].float(), want.float())
+                assert not mb["advantages"][r, n:].any()  # padding
     passes = [ids(batches[2 * e]) + ids(batches[2 * e + 1]) for e in range(3)]
     assert all(sorted(p) == list(range(12)) for p in passes)  # each pass: every leaf once
     splits = [ids(batches[2 * e]) for e in range(3)]

@@ -442,3 +442,12 @@ def test_ranks_with_uneven_trees_featurise_and_gather_under_fsdp(tmp_path):
     # the decoder's hidden states, as without FSDP; the LM head ran on one row per forward
     torch.testing.assert_close(r0["features"], r0["plain"], atol=1e-5, rtol=0)
     assert r0["head_rows"] and set(r0["head_rows"]) == {1}
+
+
+def test_weighted_squared_error_by_hand():
+    # (1 * 0.2^2 + 3 * 0.1^2 + 2 * 0^2) / 6 = (0.04 + 0.03) / 6 = 0.07 / 6
+    got = weighted_squared_error(torch.tensor([0.2, 0.9, 0.5]), torch.tensor([0.0, 1.0, 0.5]),
+                                 torch.tensor([1.0, 3.0, 2.0]))
+    assert got.item() == pytest.approx(0.07 / 6, rel=1e-6)
+    # no weight at all: 0, not NaN
+    assert weighted_squared_error(torch.ones(2), torch.zeros(2), torch.zeros(2)).item() == 0.0
