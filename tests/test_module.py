@@ -305,6 +305,55 @@ def test_the_policy_trains_without_dropout(tmp_path):
     torch.testing.assert_close(first, second, atol=0, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_resuming_under_bf16_true_restores_the_float32_predictor(policy_dir, tmp_path):
+    """Lightning loads a checkpoint into the module while bf16-true still holds the predictor
+    in bf16; the resumed predictor must be the saved float32 one, not its rounding."""
+    import types
+
+    from trace_lightning.tree import RolloutTree
+
+    def trees():
+        out = []
+        for k in range(6):
+            t = RolloutTree.new(f"q{k}", "q", ["a"], [1, 2, 3 + k])
+            for j in range(2):
+                a = t.add_child(0, rollout=j, token_ids=[5, 6, 7], logprobs=[-1.0, -1.0, 0.0],
+                                policy_mask=[1, 1, 0])
+                t.add_child(a.id, token_ids=[8, 9], logprobs=[-1.0, -1.0], policy_mask=[1, 1],
+                            finished=True, reward=float((j + k) % 2))
+            t.compute_values()
+            out.append(t)
+        return out
+
+    seen = []
+
+    class Receive(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            if trainer.current_epoch == 0:  # one predictor fit, so its weights are not round
+                pl_module.receive_step(types.SimpleNamespace(trees=trees(), epoch=0))
+            seen.append({k: v.clone() for k, v in pl_module.predictor.state_dict().items()})
+
+    def fit(epochs, ckpt=None):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                            precision="bf16-true", enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0,
+                            default_root_dir=str(tmp_path), callbacks=[Receive()])
+        module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)
+        trainer.fit(module, train_dataloaders=DataLoader([_minibatch(1)], batch_size=None),
+                    ckpt_path=ckpt)
+        return trainer
+
+    ckpt = fit(1).checkpoint_callback.best_model_path
+    saved = torch.load(ckpt, weights_only=False)["state_dict"]
+    fit(2, ckpt)
+    resumed = seen[-1]
+    assert any(v.dtype == torch.float32 and not torch.equal(v, v.bfloat16().float())
+               for v in resumed.values())  # values bf16 cannot hold: a rounding would show
+    for k, v in resumed.items():
+        torch.testing.assert_close(v, saved[f"predictor.{k}"], atol=0, rtol=0, msg=k)
+
+
 def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
     """A NaN in one micro-batch raises a clear error and leaves every weight unchanged."""
     batch = _minibatch(2, advantage_nan=True)

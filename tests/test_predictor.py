@@ -261,6 +261,16 @@ def test_early_stopping_keeps_the_predictor_from_memorising_noise():
     assert stopped["predictor/holdout_loss"] <= 0.25 + 0.05
 
 
+def test_replay_from_a_checkpoint_before_prompt_groups_loads():
+    """Replay entries saved before ``group`` existed load with one group per node (the
+    early-stopping holdout then splits by node), not a TypeError."""
+    old = {"steps": [{"features": torch.randn(3, 4), "depth": torch.arange(3),
+                      "value": torch.tensor([0.0, 0.5, 1.0]), "weight": torch.ones(3)}]}
+    buf = ReplayBuffer(max_steps=2)
+    buf.load_state_dict(old)
+    assert buf.sample_all().group.tolist() == [0, 1, 2] and len(buf) == 3
+
+
 def test_node_targets_and_predictions():
     trees = branched_trees()
     t = trees[0]

@@ -116,6 +116,7 @@ class TraceModule(L.LightningModule):
         self._predictor_stats: dict[str, float] = {}
         self._last_sync: tuple | None = None  # (engine, probe, policy probe log-probs)
         self._grad_norm = float("nan")  # the policy's, before clipping, of the last step
+        self._predictor_restore: dict | None = None  # see on_load_checkpoint
 
     # ---- models -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -161,6 +162,9 @@ class TraceModule(L.LightningModule):
         # dtype); it reads float32 features and is tiny, so it trains in float32. The same
         # Parameter objects: the optimizer already holding them stays valid.
         self.predictor.float()
+        if self._predictor_restore is not None:  # the checkpoint's float32 values, unrounded
+            self.predictor.load_state_dict(self._predictor_restore)
+            self._predictor_restore = None
 
     def shard_models(self) -> None:
         """Under Lightning's FSDP strategy make the policy (and the reference) FSDP roots of
@@ -370,6 +374,11 @@ class TraceModule(L.LightningModule):
                                            if self.history is not None else None)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # under "bf16-true" Lightning loads the weights into the predictor while it is still
+        # bf16 (rounding them); on_fit_start loads them again once it is float32
+        prefix = "predictor."
+        self._predictor_restore = {k[len(prefix):]: v.clone() for k, v in
+                                   checkpoint["state_dict"].items() if k.startswith(prefix)} or None
         state = checkpoint["trace"]
         self.replay.load_state_dict(state["replay"])
         self.predictor_nodes_seen = state["predictor_nodes_seen"]

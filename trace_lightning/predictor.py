@@ -427,7 +427,12 @@ class ReplayBuffer:
     def load_state_dict(self, state: dict) -> None:
         """The kept steps come back, the newest ``max_steps`` as configured now (a resumed
         run may keep more or fewer steps than the one that saved them)."""
-        self.steps = deque((PredictorBatch(**s) for s in state["steps"]), maxlen=self.max_steps)
+        steps = []
+        for s in state["steps"]:
+            if "group" not in s:  # checkpoints before prompt groups: one group per node
+                s = {**s, "group": torch.arange(len(s["value"]))}
+            steps.append(PredictorBatch(**s))
+        self.steps = deque(steps, maxlen=self.max_steps)
 
 
 def weighted_squared_error(p: Tensor, y: Tensor, w: Tensor) -> Tensor:
