@@ -16,7 +16,7 @@ from trace_lightning.loss import policy_loss, token_logprobs
 from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.module import TraceModule, compile_decoder_layers
 from trace_lightning.packing import collate
-from trace_lightning.tree import LeafSequence
+from trace_lightning.tree import LeafSequence, RolloutTree
 
 VOCAB = 97
 
@@ -109,6 +109,21 @@ def test_logprobs_gradients_equal_the_full_head(policy_dir):
     assert not logp.any()
     (logp * up).sum().backward()
     assert all(p.grad is not None and not p.grad.any() for p in policy.parameters())
+
+
+def mixed_trees() -> list[RolloutTree]:
+    """Six two-turn trees of two rollouts, one success and one failure each."""
+    out = []
+    for k in range(6):
+        t = RolloutTree.new(f"q{k}", "q", ["a"], [1, 2, 3 + k])
+        for j in range(2):
+            a = t.add_child(0, rollout=j, token_ids=[5, 6, 7], logprobs=[-1.0, -1.0, 0.0],
+                            policy_mask=[1, 1, 0])
+            t.add_child(a.id, token_ids=[8, 9], logprobs=[-1.0, -1.0], policy_mask=[1, 1],
+                        finished=True, reward=float((j + k) % 2))
+        t.compute_values()
+        out.append(t)
+    return out
 
 
 def _minibatch(seed: int, advantage_nan: bool = False) -> dict:
@@ -256,26 +271,12 @@ def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
 
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from trace_lightning.tree import RolloutTree
-
-    def trees():
-        out = []
-        for k in range(6):
-            t = RolloutTree.new(f"q{k}", "q", ["a"], [1, 2, 3 + k])
-            for j in range(2):
-                a = t.add_child(0, rollout=j, token_ids=[5, 6, 7], logprobs=[-1.0, -1.0, 0.0],
-                                policy_mask=[1, 1, 0])
-                t.add_child(a.id, token_ids=[8, 9], logprobs=[-1.0, -1.0], policy_mask=[1, 1],
-                            finished=True, reward=float((j + k) % 2))
-            t.compute_values()
-            out.append(t)
-        return out
 
     stats = {}
 
     class Receive(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            pl_module.receive_step(types.SimpleNamespace(trees=trees(), epoch=0))
+            pl_module.receive_step(types.SimpleNamespace(trees=mixed_trees(), epoch=0))
             stats[trainer.precision] = dict(pl_module._predictor_stats)
             assert all(p.dtype == torch.float32 for p in pl_module.predictor.parameters())
 
@@ -311,27 +312,13 @@ def test_resuming_under_bf16_true_restores_the_float32_predictor(policy_dir, tmp
     in bf16; the resumed predictor must be the saved float32 one, not its rounding."""
     import types
 
-    from trace_lightning.tree import RolloutTree
-
-    def trees():
-        out = []
-        for k in range(6):
-            t = RolloutTree.new(f"q{k}", "q", ["a"], [1, 2, 3 + k])
-            for j in range(2):
-                a = t.add_child(0, rollout=j, token_ids=[5, 6, 7], logprobs=[-1.0, -1.0, 0.0],
-                                policy_mask=[1, 1, 0])
-                t.add_child(a.id, token_ids=[8, 9], logprobs=[-1.0, -1.0], policy_mask=[1, 1],
-                            finished=True, reward=float((j + k) % 2))
-            t.compute_values()
-            out.append(t)
-        return out
 
     seen = []
 
     class Receive(L.Callback):
         def on_train_start(self, trainer, pl_module):
             if trainer.current_epoch == 0:  # one predictor fit, so its weights are not round
-                pl_module.receive_step(types.SimpleNamespace(trees=trees(), epoch=0))
+                pl_module.receive_step(types.SimpleNamespace(trees=mixed_trees(), epoch=0))
             seen.append({k: v.clone() for k, v in pl_module.predictor.state_dict().items()})
 
     def fit(epochs, ckpt=None):
