@@ -341,6 +341,31 @@ def test_resuming_under_bf16_true_restores_the_float32_predictor(policy_dir, tmp
         torch.testing.assert_close(v, saved[f"predictor.{k}"], atol=0, rtol=0, msg=k)
 
 
+def test_a_resumed_run_takes_its_own_warmup_length(policy_dir, tmp_path):
+    """Two steps with a 3-step warm-up, then resumed with a 10-step one: the third step's lr
+    is 2e-4 * 3/10 (this run's length), not 2e-4 * 3/3 (the checkpoint's)."""
+    lrs = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            lrs.append(float(trainer.callback_metrics["train/lr"]))
+
+    def fit(epochs, warmup, ckpt=None):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, default_root_dir=str(tmp_path),
+                            callbacks=[Record()])
+        module = TraceModule(policy_path=str(policy_dir), lr=2e-4, lr_warmup_steps=warmup)
+        trainer.fit(module, train_dataloaders=DataLoader([_minibatch(1), _minibatch(2)],
+                                                         batch_size=None), ckpt_path=ckpt)
+        return trainer
+
+    ckpt = fit(1, warmup=3).checkpoint_callback.best_model_path
+    fit(2, warmup=10, ckpt=ckpt)
+    # steps 0-1 at 1/3 and 2/3 of 2e-4; resumed, steps 2-3 at 3/10 and 4/10 (3/3 and 1 before)
+    assert lrs == pytest.approx([2e-4 / 3, 2e-4 * 2 / 3, 2e-4 * 3 / 10, 2e-4 * 4 / 10])
+
+
 def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
     """A NaN in one micro-batch raises a clear error and leaves every weight unchanged."""
     batch = _minibatch(2, advantage_nan=True)

@@ -166,6 +166,21 @@ class TraceModule(L.LightningModule):
             self.predictor.load_state_dict(self._predictor_restore)
             self._predictor_restore = None
 
+    def on_train_start(self) -> None:
+        # (after Lightning restored the optimizers and schedulers) a resumed schedule keeps
+        # its step count but takes this run's warm-up length, as history and replay do:
+        # LambdaLR's state dict restores its factor's length too
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            factors = getattr(scheduler, "lr_lambdas", [])
+            for factor in factors:
+                if isinstance(factor, LinearWarmup):
+                    factor.steps = self.hparams.lr_warmup_steps
+            for group, base, factor in zip(scheduler.optimizer.param_groups,
+                                           scheduler.base_lrs, factors):
+                if isinstance(factor, LinearWarmup):  # the next step's lr, by this length
+                    group["lr"] = base * factor(scheduler.last_epoch)
+
     def shard_models(self) -> None:
         """Under Lightning's FSDP strategy make the policy (and the reference) FSDP roots of
         their own, the strategy's ``auto_wrap_policy`` wrapping their layers.
@@ -376,9 +391,12 @@ class TraceModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # under "bf16-true" Lightning loads the weights into the predictor while it is still
         # bf16 (rounding them); on_fit_start loads them again once it is float32
+        # (FSDP restores after on_fit_start, into the float32 predictor: nothing to redo)
         prefix = "predictor."
-        self._predictor_restore = {k[len(prefix):]: v.clone() for k, v in
-                                   checkpoint["state_dict"].items() if k.startswith(prefix)} or None
+        if next(self.predictor.parameters()).dtype != torch.float32:
+            self._predictor_restore = {k[len(prefix):]: v.clone() for k, v in
+                                       checkpoint["state_dict"].items()
+                                       if k.startswith(prefix)} or None
         state = checkpoint["trace"]
         self.replay.load_state_dict(state["replay"])
         self.predictor_nodes_seen = state["predictor_nodes_seen"]
