@@ -54,7 +54,8 @@ from trace_lightning.engines import build_engine  # noqa: E402
 from trace_lightning.engines.base import SamplingConfig  # noqa: E402
 from trace_lightning.environment import SearchEnvironment  # noqa: E402
 from trace_lightning.history import PromptHistory  # noqa: E402
-from trace_lightning.predictor import (Featuriser, ReplayBuffer, SuccessPredictor,  # noqa: E402
+from trace_lightning.features import Featuriser  # noqa: E402
+from trace_lightning.predictor import (ReplayBuffer, SuccessPredictor,  # noqa: E402
                                        fit_predictor, predict_nodes, training_batch)
 from trace_lightning.retrieval import BM25Retriever  # noqa: E402
 from trace_lightning.rollout import AgentLoop  # noqa: E402

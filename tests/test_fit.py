@@ -308,7 +308,8 @@ def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_d
     from types import SimpleNamespace
 
     from trace_lightning.allocators import Allocator
-    from trace_lightning.data import EvalSet, TraceDataModule
+    from trace_lightning.data import TraceDataModule
+    from trace_lightning.data_config import EvalSet
 
     hotpot = shared_data / "hotpotqa"
     uniform = Allocator("uniform", roots=16, continuations=0, max_rollouts_per_prompt=4,

@@ -179,7 +179,7 @@ def test_training_step_logs_minibatch_statistics(policy_dir):
     assert abs(plain_mean - weighted["entropy"] / tokens) > 1e-5 * plain_mean
     assert got["train/entropy"] == pytest.approx(weighted["entropy"] / tokens, rel=2e-6)
     # under several ranks the divisor is the mini-batch's tokens over all ranks / ranks
-    # (data.equalise_over_ranks), here as if the other rank held 7 times this one's tokens
+    # (packing.equalise_over_ranks), here as if the other rank held 7 times this one's tokens
     shared = dict(batch, normalizer=(batch["n_tokens"] * 8) / 2)
     trainer = _fit(TraceModule(policy_path=str(policy_dir), lr=1e-3), [shared])
     assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(loss_sum / 4, rel=1e-4)
@@ -239,7 +239,7 @@ def test_gradient_norm_is_logged_without_clipping(policy_dir):
 def test_a_mini_batch_without_policy_tokens_does_not_move_the_weights(policy_dir):
     """A step with fewer leaves than mini-batches leaves filler-only mini-batches: Adam's
     moments and weight decay would still move every weight, and the lr schedule advance."""
-    from trace_lightning.data import equalise_over_ranks
+    from trace_lightning.packing import equalise_over_ranks
 
     real = _minibatch(6)
     filler = equalise_over_ranks([real, {"micro": [], "n_tokens": 0.0}], pad_id=0)[1]

@@ -139,7 +139,7 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
 def _equalise_worker(rank: int, world: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from trace_lightning.data import equalise_over_ranks
+    from trace_lightning.packing import equalise_over_ranks
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
                             world_size=world)

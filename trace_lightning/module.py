@@ -25,8 +25,9 @@ from trace_lightning.collect import RolloutStep
 from trace_lightning.engines.sync import sync_weights
 from trace_lightning.history import PromptHistory
 from trace_lightning.loss import policy_loss, predicting_rows, row_logprobs, rows_to_tokens
-from trace_lightning.predictor import (Featuriser, ReplayBuffer, SuccessPredictor,
-                                       fit_predictor, predict_nodes, training_batch)
+from trace_lightning.features import Featuriser
+from trace_lightning.predictor import (ReplayBuffer, SuccessPredictor, fit_predictor,
+                                       predict_nodes, training_batch)
 from trace_lightning.tree import RolloutTree
 
 
@@ -260,7 +261,7 @@ class TraceModule(L.LightningModule):
         opt = self.optimizers()[0]
         h = self.hparams
         # the token-mean's divisor: the mini-batch's policy tokens over all ranks / ranks
-        # (data.equalise_over_ranks); one process, or a batch without it: this rank's count
+        # (packing.equalise_over_ranks); one process, or a batch without it: this rank's count
         normalizer = float(batch.get("normalizer", batch["n_tokens"]))
         # no policy token on any rank (filler micro-batches only: a step with fewer leaves
         # than mini-batches): no update, which Adam's moments and weight decay would still make

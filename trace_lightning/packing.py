@@ -10,6 +10,8 @@
   memory limit; truncating would drop the tokens that earned the reward).
 - :func:`collate` right-pads a micro-batch into ``(B, T)`` tensors aligned with ``input_ids``
   (see :mod:`trace_lightning.loss` for the alignment convention).
+- :func:`equalise_over_ranks` pads every rank's mini-batches to the same micro-batch count
+  and gives each the divisor of a token-mean over all ranks.
 """
 
 from __future__ import annotations
@@ -136,3 +138,39 @@ def collate(seqs: Sequence[LeafSequence], pad_id: int,
     rewards = torch.tensor([s.reward for s in seqs], dtype=torch.float32)  # (B,)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "policy_mask": policy_mask,
             "old_logprobs": old_logprobs, "advantages": adv, "rewards": rewards}
+
+
+def equalise_over_ranks(minibatches: list[dict], pad_id: int,
+                        device: torch.device | None = None) -> list[dict]:
+    """Make this rank's mini-batches fit a step taken by all ranks together.
+
+    Each mini-batch is padded with empty (all-masked) micro-batches to the largest
+    micro-batch count over ranks (collective ops, FSDP's and DDP's, need equal step counts),
+    and gets ``normalizer``, the divisor of its token-mean loss: its policy tokens summed over
+    ranks, divided by the number of ranks. DDP and FSDP average gradients over ranks, so
+    every rank dividing its own sum by that gives the token-mean over the whole mini-batch,
+    where every token weighs the same on whichever rank it was sampled (dividing by each
+    rank's own ``n_tokens`` would weigh a token on a rank with a small share more). One
+    process: ``normalizer`` = ``n_tokens``.
+    """
+    counts = torch.tensor([len(m["micro"]) for m in minibatches], dtype=torch.long)  # (S,)
+    tokens = torch.tensor([m["n_tokens"] for m in minibatches], dtype=torch.float64)  # (S,)
+    world = 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        counts, tokens = counts.to(device), tokens.to(device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.SUM)
+        counts, tokens = counts.cpu(), tokens.cpu()
+    for m, c, n in zip(minibatches, counts.tolist(), tokens.tolist()):
+        while len(m["micro"]) < max(c, 1):
+            m["micro"].append(_empty_microbatch(pad_id))
+        m["normalizer"] = n / world
+    return minibatches
+
+
+def _empty_microbatch(pad_id: int) -> dict:
+    z = torch.zeros(1, 2)
+    return {"input_ids": torch.full((1, 2), pad_id, dtype=torch.long),
+            "attention_mask": torch.ones(1, 2, dtype=torch.long),
+            "policy_mask": z.clone(), "old_logprobs": z.clone(), "advantages": z.clone()}
