@@ -490,3 +490,39 @@ def test_hf_and_vllm_agree_on_a_greedy_scripted_policy(vllm_scripted, policies, 
         for hn, vn in zip(h.nodes, v.nodes):
             torch.testing.assert_close(torch.tensor(hn.logprobs), torch.tensor(vn.logprobs),
                                        atol=1e-3, rtol=0)
+
+
+def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retriever,
+                                                             tokenizer, examples):
+    """``oracle_predict`` on the scripted policy, whose success odds are known by hand.
+
+    Each turn answers with p = 1/4 and is right with p = 1/2 on a yes/no question (never on
+    another), and the episode ends after ``max_turns`` = 3 turns; so from a node at depth d
+    success is sum_{j < 3 - d} (1/8) (3/4)^j = (1 - (3/4)^(3 - d)) / 2:
+    0.2891 at the root, 0.2188 after one search, 0.125 after two. A probe that restarted the
+    turn count (depth 0) would score every prefix 0.289. Probes cost no budget and leave the
+    trees as they were; a node already predicted is not probed again.
+    """
+    from trace_lightning.collect import oracle_predict
+
+    env = make_env(tokenizer, retriever, max_turns=3)
+    yes_no = [e for e in examples if e.answers[0] in ("yes", "no")]
+    other = [e for e in examples if e.answers[0] not in ("yes", "no")][:1]
+    loop, trees, _ = grow(vllm_scripted, env, yes_no + other, 8, seed=3)
+    shapes = [signature(t) for t in trees]
+    engine = RecordingEngine(vllm_scripted)
+    predict = oracle_predict(AgentLoop(engine, env, SAMPLING), samples=200, seed=0)
+    predict(trees)
+    assert [signature(t) for t in trees] == shapes  # probes are separate trees
+    by_depth: dict[int, list[float]] = {}
+    for t in trees[:len(yes_no)]:
+        for n in [t.root, *t.prefixes()]:
+            by_depth.setdefault(n.depth, []).append(n.prediction)
+    assert sorted(by_depth) == [0, 1, 2], "8 rollouts of p(search) 3/4 reach depth 2"
+    for depth, want in {0: 0.2891, 1: 0.2188, 2: 0.125}.items():
+        got = sum(by_depth[depth]) / len(by_depth[depth])  # >= 200 samples each: sd <= 0.032
+        assert got == pytest.approx(want, abs=0.08), (depth, by_depth[depth])
+    assert all(n.prediction == 0.0 for n in [trees[-1].root, *trees[-1].prefixes()])
+    calls = len(engine.calls)
+    predict(trees)
+    assert len(engine.calls) == calls  # every node already has its prediction
