@@ -89,7 +89,7 @@ def test_response_shapes_with_and_without_scores(wiki_retriever, server_url, que
     assert status == 200
     assert bare["result"] == [[h["document"] for h in hits] for hits in scored["result"]]
     with urllib.request.urlopen(server_url + "/health", timeout=10) as response:
-        assert json.loads(response.read()) == {"status": "ok", "documents": 1294}
+        assert json.loads(response.read()) == {"status": "ok", "documents": 1294, **LIMITS}
 
 
 @pytest.mark.parametrize("body, status, message", [
@@ -260,3 +260,110 @@ def test_datamodule_gives_the_client_its_timeout_and_retries(server_url):
                          retriever_timeout_s=42.0, retriever_retries=5)
     client = dm._retriever(None)
     assert isinstance(client, HTTPRetriever) and (client.timeout_s, client.retries) == (42.0, 5)
+
+
+class TrickleHandler(BaseHTTPRequestHandler):
+    """Answers 200 at once, then its 40-byte body one byte every 0.2 s (8 s in all)."""
+
+    def do_POST(self):  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Length", "40")
+        self.end_headers()
+        try:
+            for _ in range(40):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass  # the client gave up
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_trickling_answer_is_given_up_at_the_timeout():
+    """Each read returns within the socket timeout, so only a deadline over the whole answer
+    stops a server that sends one byte at a time."""
+    server, url = serve_handler(TrickleHandler)
+    try:
+        client = HTTPRetriever(url, timeout_s=0.5, retries=0)
+        start = time.monotonic()
+        with pytest.raises(RetrieverError, match=r"no answer within timeout_s=0.5 s"):
+            client.search(["who"], 3)
+        assert time.monotonic() - start < 3.0  # the whole body would take 8 s
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class BusyOnceHandler(BaseHTTPRequestHandler):
+    """429 (Too Many Requests) on its first request, then an answer."""
+
+    calls = 0
+
+    def do_POST(self):  # noqa: N802
+        type(self).calls += 1
+        n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["queries"])
+        doc = {"id": "7", "contents": '"Lee Mantle"\nLee Mantle was a Senator.'}
+        status, payload = ((429, {"error": "slow down"}) if type(self).calls == 1
+                           else (200, {"result": [[doc]] * n}))
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_429_is_retried_like_a_5xx():
+    server, url = serve_handler(BusyOnceHandler)
+    try:
+        assert len(HTTPRetriever(url, retries=1, backoff_s=0.01).search(["who"], 1)) == 1
+        assert BusyOnceHandler.calls == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_check_fits_the_batch_to_the_servers_max_queries(server_url, questions):
+    """The server takes 8 queries per request (LIMITS) and says so on /health; a client
+    batching 64 would be refused (413) at its first large search, mid-run."""
+    client = HTTPRetriever(server_url)
+    with pytest.raises(RetrieverError, match="HTTP 413"):
+        client.search(questions, 2)  # 10 queries in one request
+    client.check(2)
+    assert client.batch_size == LIMITS["max_queries"]
+    assert len(client.search(questions, 2)) == len(questions)
+
+
+def test_a_stalled_request_does_not_hold_a_server_thread(wiki_retriever, monkeypatch):
+    """A client that promises a 100-byte body and sends 10 is dropped after the idle
+    timeout (here 0.5 s) instead of holding its thread forever."""
+    from trace_lightning.retrieval import server as server_module
+
+    monkeypatch.setattr(server_module, "IDLE_TIMEOUT_S", 0.5)
+    server, url = serve_in_thread(wiki_retriever, **LIMITS)
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=10) as s:
+            s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"queries\"")
+            start = time.monotonic()
+            assert s.recv(1024) == b""  # closed by the server, no answer
+            assert time.monotonic() - start < 5.0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_port_in_use_names_the_flag(shared_data, tmp_path):
+    from trace_lightning.retrieval.server import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"cannot listen on 127.0.0.1:{port}.*--port"):
+            main(["--corpus", str(shared_data / "hotpotqa" / "corpus.jsonl"),
+                  "--cache-dir", str(tmp_path), "--port", str(port)])

@@ -5,17 +5,23 @@ Request: ``{"queries": [...], "topk": k, "return_scores": true}``. Accepted answ
 ``{"result": [[{...}, ...], ...]}`` (score None), where a document is ``{"id", "contents"}``
 (FlashRAG) or ``{"id", "title", "text"}``.
 
-Failures: connection errors, timeouts and 5xx answers are retried ``retries`` times with
-exponential backoff (``backoff_s``, doubled each time, at most ``MAX_BACKOFF_S``), then raise
-:class:`RetrieverError`; a 4xx answer is the caller's fault and raises at once with the
-server's message. So one ``search`` call takes at most about
-``(retries + 1) * timeout_s + sum(backoffs)`` seconds.
+Failures: connection errors, timeouts, 5xx answers and the temporary 4xx ones (408, 429)
+are retried ``retries`` times with exponential backoff (``backoff_s``, doubled each time, at
+most ``MAX_BACKOFF_S``), then raise :class:`RetrieverError`; any other 4xx answer is the
+caller's fault and raises at once with the server's message. An attempt is given up once
+``timeout_s`` has passed and the answer is not complete (checked between reads, each of which
+waits at most ``timeout_s``, so a server that trickles its answer cannot hold a call), so one
+request takes at most about ``(retries + 1) * 2 * timeout_s + sum(backoffs)`` seconds.
+
+``check`` reads the limits a ``trace-lightning-retriever`` announces on ``/health`` and
+shrinks ``batch_size`` to the server's ``max_queries``.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import time
 import urllib.error
 import urllib.parse
@@ -23,7 +29,10 @@ import urllib.request
 
 from trace_lightning.retrieval import Passage
 
+log = logging.getLogger(__name__)
+
 MAX_BACKOFF_S = 5.0
+RETRIED_4XX = (408, 429)  # Request Timeout, Too Many Requests: try again later
 _FIX = ("start one with `trace-lightning-retriever --corpus PATH --port PORT`, or set "
         "`--data.retriever_url` to a running server")
 
@@ -44,6 +53,16 @@ def _server_message(body: bytes) -> str:
     except json.JSONDecodeError:
         return text[:300]
     return str(data.get("error", data)) if isinstance(data, dict) else text[:300]
+
+
+def _read_by(response: http.client.HTTPResponse, deadline: float) -> bytes:
+    """The response body, or TimeoutError once ``time.monotonic()`` passes ``deadline``."""
+    parts = []
+    while chunk := response.read1(1 << 16):  # what has arrived, at most one socket read
+        parts.append(chunk)
+        if time.monotonic() > deadline:
+            raise TimeoutError("answer not complete by the deadline")
+    return b"".join(parts)
 
 
 class HTTPRetriever:
@@ -95,10 +114,16 @@ class HTTPRetriever:
         alone.
         """
         try:
-            self._request("/health", None)
+            health = self._request("/health", None)
         except RetrieverError as e:
             if e.status != 404:
                 raise
+            health = None
+        most = health.get("max_queries") if isinstance(health, dict) else None
+        if isinstance(most, int) and 1 <= most < self.batch_size:
+            log.info("retriever %s takes at most %d queries per request: sending batches of "
+                     "%d instead of %d", self.url, most, most, self.batch_size)
+            self.batch_size = most
         try:
             self._parse(self._request("/retrieve", {"queries": ["test"], "topk": topk,
                                                     "return_scores": True}), 1)
@@ -123,12 +148,16 @@ class HTTPRetriever:
             request = urllib.request.Request(
                 url, data=data, method="GET" if data is None else "POST",
                 headers={"Content-Type": "application/json", "Accept": "application/json"})
+            deadline = time.monotonic() + self.timeout_s
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    body = response.read()
+                    body = _read_by(response, deadline)
             except urllib.error.HTTPError as e:
-                message = _server_message(e.read())
-                if 400 <= e.code < 500:
+                try:
+                    message = _server_message(e.read())
+                except (OSError, http.client.HTTPException) as read_error:
+                    message = f"(its body could not be read: {read_error})"
+                if 400 <= e.code < 500 and e.code not in RETRIED_4XX:
                     raise RetrieverError(f"retriever {url} refused the request with HTTP "
                                          f"{e.code}: {message}", status=e.code) from None
                 failure, timed_out = f"HTTP {e.code}: {message}", False

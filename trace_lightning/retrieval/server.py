@@ -4,7 +4,8 @@
 ``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}``; with
 ``"return_scores": false`` each hit is the bare document ``{"id", "contents"}``. ``contents``
 is FlashRAG's ``'"' + title + '"\\n' + text``. ``topk`` defaults to 3 and ``return_scores``
-to true (Search-R1's defaults). ``GET /health`` answers ``{"status": "ok", "documents": n}``.
+to true (Search-R1's defaults). ``GET /health`` answers ``{"status": "ok", "documents": n,
+"max_queries": q, "max_query_chars": c, "topk_max": k}``: clients fit their batches to it.
 
 Refusals carry a JSON body ``{"error": "..."}`` that says what was wrong: 400 for a body
 that is not JSON or has wrong fields or a ``topk`` out of range, 413 for a request over a
@@ -27,6 +28,8 @@ from trace_lightning.retrieval import Retriever
 from trace_lightning.retrieval.bm25 import BM25Retriever
 
 log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT_S = 60.0
 
 
 class RequestError(Exception):
@@ -73,13 +76,18 @@ def parse_retrieve_request(body: bytes, max_queries: int, max_query_chars: int,
 def make_handler(retriever: Retriever, max_queries: int, max_query_chars: int, topk_max: int,
                  max_body_bytes: int, n_documents: int | None) -> type[BaseHTTPRequestHandler]:
     """A request handler class bound to one retriever and its limits."""
+    limits = {"max_queries": max_queries, "max_query_chars": max_query_chars,
+              "topk_max": topk_max}
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "trace-lightning-retriever"
+        # seconds a connection may stall (a client that promised a body and sent less);
+        # without it such a client holds its thread forever
+        timeout = IDLE_TIMEOUT_S
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self.path.rstrip("/") == "/health":
-                self._send(200, {"status": "ok", "documents": n_documents})
+                self._send(200, {"status": "ok", "documents": n_documents, **limits})
             else:
                 self._send(404, {"error": f"unknown path {self.path!r}; use POST /retrieve or "
                                           f"GET /health"})
@@ -184,9 +192,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     retriever = BM25Retriever(args.corpus, cache_dir=args.cache_dir, k1=args.k1, b=args.b)
-    server = make_server(retriever, args.host, args.port, max_queries=args.max_queries,
-                         max_query_chars=args.max_query_chars, topk_max=args.topk_max,
-                         max_body_bytes=args.max_body_bytes)
+    try:
+        server = make_server(retriever, args.host, args.port, max_queries=args.max_queries,
+                             max_query_chars=args.max_query_chars, topk_max=args.topk_max,
+                             max_body_bytes=args.max_body_bytes)
+    except OSError as e:
+        raise SystemExit(f"trace-lightning-retriever: cannot listen on {args.host}:{args.port} "
+                         f"({e.strerror or e}); is another server on that port? Pick another "
+                         f"with --port (0 picks a free one), or check --host") from None
     host, port = server.server_address[:2]
     log.info("serving %d passages of %s at http://%s:%d/retrieve (index %s, %s)", len(retriever),
              args.corpus, host, port, retriever.index_dir,
