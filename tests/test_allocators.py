@@ -161,6 +161,24 @@ def test_state_dict_round_trip_gives_the_same_next_plan():
     assert fresh.plan_prefixes(trees_for(first), cold_start=True) == first_prefixes
 
 
+def test_random_prefixes_are_seeded_by_step_and_rank():
+    """Each rank draws random prefixes over its own trees; a checkpoint holds rank 0's RNG
+    only. Seeded from (seed, step, rank) at each step, a rank that resumes (whatever its RNG
+    held) draws what an unbroken run draws, and ranks still draw apart."""
+    plan = allocator("random_tree").plan_roots(20, None)
+    unbroken, resumed = allocator("random_tree", seed=3), allocator("random_tree", seed=3)
+    unbroken.start_step(0, rank=1)
+    unbroken.plan_prefixes(trees_for(plan))  # step 0 moves this rank's RNG
+    unbroken.start_step(1, rank=1)
+    want = unbroken.plan_prefixes(trees_for(plan))
+    resumed.start_step(1, rank=1)  # fresh RNG, as after loading rank 0's state
+    assert resumed.plan_prefixes(trees_for(plan)) == want
+    for step, rank in [(1, 0), (0, 1)]:  # other ranks and other steps draw otherwise
+        other = allocator("random_tree", seed=3)
+        other.start_step(step, rank)
+        assert other.plan_prefixes(trees_for(plan)) != want
+
+
 def test_single_turn_prompt_returns_its_budget_to_the_pool():
     alloc = allocator("trace")
     # prompt 0: two single-turn rollouts (no prefixes); prompt 1: two 3-turn rollouts

@@ -292,6 +292,7 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
      "--data.candidates_per_step (1)"),
     ("--data.ppo_epochs=0", "--data.ppo_epochs (0)"),
     ("--model.lr_warmup_steps=-1", "--model.lr_warmup_steps (-1) must be >= 0"),
+    ("--data.retriever_timeout_s=0", "--data.retriever_timeout_s (0.0) must be > 0"),
 ])
 def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message, capsys):
     with pytest.raises((SystemExit, ValueError)) as err:
@@ -329,6 +330,32 @@ def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_d
                                          r"processes"):
         dm.setup("validate")
     assert dm.engine is None  # nothing started
+
+
+def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, demo_dir,
+                                                                   tmp_path):
+    """Two validation sets of one name would share one metric key and one set of questions;
+    a corpus that does not exist would fail only when first searched (a validation set's:
+    after the first epoch trained, before its checkpoint)."""
+    from trace_lightning.data import TraceDataModule
+    from trace_lightning.data_config import EvalSet
+
+    hotpot, wiki = shared_data / "hotpotqa", shared_data / "2wikimultihopqa"
+    common = dict(train=str(hotpot / "dev_distractor.jsonl"), policy_path=str(demo_dir / "model"))
+    with pytest.raises(ValueError, match=r"--data.val names \['qa'\] more than once"):
+        TraceDataModule(corpus=str(hotpot / "corpus.jsonl"), **common,
+                        val=[EvalSet("qa", str(hotpot / "dev_distractor.jsonl")),
+                             EvalSet("qa", str(wiki / "dev.jsonl"), corpus=str(wiki / "corpus.jsonl"))])
+    missing = str(tmp_path / "nowhere.jsonl")
+    dm = TraceDataModule(corpus=missing, **common)
+    with pytest.raises(FileNotFoundError, match=r"--data.corpus: corpus '.*nowhere.jsonl' does "
+                                                r"not exist"):
+        dm.setup("fit")
+    dm = TraceDataModule(corpus=str(hotpot / "corpus.jsonl"), **common,
+                         val=[EvalSet("wiki", str(wiki / "dev.jsonl"), corpus=missing)])
+    with pytest.raises(FileNotFoundError, match=r"--data.val\[0\].corpus \(set 'wiki'\)"):
+        dm.setup("fit")
+    assert dm.engine is None and not dm.train_examples  # nothing started
 
 
 def test_optimizer_flags_are_not_offered(capsys):

@@ -138,7 +138,8 @@ class Allocator:
         seed: seed of the allocator's RNGs: one for exploration picks, drawn in
             ``plan_roots`` (identically on every rank: all plan the same global step), one
             for random prefixes, drawn in ``plan_prefixes`` (per rank, over its own trees, so
-            its draws differ between ranks and must not move the exploration stream).
+            its draws differ between ranks and must not move the exploration stream);
+            ``start_step`` reseeds the latter from (seed, step, rank).
     """
 
     def __init__(self, kind: Kind, roots: int, continuations: int, max_rollouts_per_prompt: int,
@@ -346,6 +347,15 @@ class Allocator:
         return plan
 
     # ---- resume ----------------------------------------------------------------------------
+    def start_step(self, step: int, rank: int = 0) -> None:
+        """Reseed the random-prefix draws from ``(seed, step, rank)``.
+
+        Each rank draws over its own trees, so their streams differ, and a checkpoint holds
+        rank 0's state only: seeded per step, every rank of a resumed run draws what it would
+        have drawn had the run not stopped.
+        """
+        self._rng = np.random.default_rng([self.seed, 2, step, rank])
+
     def state_dict(self) -> dict[str, Any]:
         """The RNG states (plain dicts and ints), for an exact resume."""
         return {"rng": self._rng.bit_generator.state,

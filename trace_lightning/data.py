@@ -147,6 +147,16 @@ class TraceDataModule(L.LightningDataModule):
             raise ValueError(f"--data.minibatches_per_step ({self.minibatches_per_step}) and "
                              f"--data.ppo_epochs ({self.ppo_epochs}) must be >= 1: together "
                              f"they are the optimizer steps per RL step")
+        if self.retriever_timeout_s <= 0 or self.retriever_retries < 0:
+            raise ValueError(f"--data.retriever_timeout_s ({self.retriever_timeout_s}) must be "
+                             f"> 0 and --data.retriever_retries ({self.retriever_retries}) "
+                             f">= 0: seconds one request may take, and extra attempts")
+        names = [v.name for v in self.val_sets]
+        if len(set(names)) < len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"--data.val names {twice} more than once; a set's name is its "
+                             f"metric key (val/<name>/em), so one would replace the other: "
+                             f"give each set its own name")
         needed = self.allocator.prompts_needed
         if self.candidates_per_step < needed:
             raise ValueError(f"--data.candidates_per_step ({self.candidates_per_step}) is smaller "
@@ -178,8 +188,9 @@ class TraceDataModule(L.LightningDataModule):
                                          corpus=str(paths.eval_corpus), limit=None)]
         # the tokenizer and the engine read a directory: a hub id's cached snapshot
         self.policy_dir = local_model_dir(self.policy_path)
-        if self.retriever_url:
-            self._http_retriever().check(self.env_cfg.topk)  # fail before any work starts
+        self._check_corpora()
+        if self.retriever_url:  # fail before any work starts; fits the client's batches
+            self._retriever(None).check(self.env_cfg.topk)
         if stage == "fit" and not self.train_examples:
             self.train_examples = load_qa(self.train_path, limit=self.train_limit)
             needed = self.allocator.prompts_needed
@@ -208,6 +219,17 @@ class TraceDataModule(L.LightningDataModule):
             self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
+
+    def _check_corpora(self) -> None:
+        """Every corpus named exists, before the first epoch trains (a validation set's
+        corpus is read only at the first validation)."""
+        named = [("--data.corpus", self.corpus)] + [
+            (f"--data.val[{i}].corpus (set {v.name!r})", v.corpus)
+            for i, v in enumerate(self.val_sets)]
+        for flag, path in named:
+            if path and not Path(path).is_file():
+                raise FileNotFoundError(f"{flag}: corpus {path!r} does not exist; give the path "
+                                        f"of a corpus JSONL (one passage per line)")
 
     def _retriever(self, corpus: str | None) -> Retriever:
         """BM25 over ``corpus``; None: the retrieval server, or else the training corpus.
@@ -286,6 +308,7 @@ class TraceDataModule(L.LightningDataModule):
                                size=min(self.candidates_per_step, len(self.train_examples)),
                                replace=False)
         candidates = [self.train_examples[i] for i in idx]
+        self.allocator.start_step(epoch, rank)
         bar = self._progress_bar(f"Rollout {epoch}", self.allocator.leaves_per_step // world)
         loop = AgentLoop(self.engine, self._env(self.corpus), self.sampling,
                          on_leaves=bar.update if bar is not None else None)
