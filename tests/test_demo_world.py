@@ -117,6 +117,13 @@ def test_bad_mix_is_rejected():
         generate_world(0, mix={"favourite_colour": 1.0})
 
 
+def test_more_names_than_the_syllables_make_is_an_error_not_a_hang():
+    # 9000 people, 3 per name part: 3000 first and 3000 last names of two syllables, more
+    # than the 64 x 64 = 4096 the pool can make
+    with pytest.raises(ValueError, match="ran out of fresh 2-syllable names.*lower n_people"):
+        generate_world(0, n_people=9000, namesakes=3)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bm25_finds_each_entity_by_its_name(seed):
     world = generate_world(seed, **SIZES)

@@ -169,6 +169,19 @@ def test_warm_start_stops_at_the_target_loss(tmp_path, tokenizer, world, env):
         warm_start(model_dir, world, env, steps=1, stop_loss=0.0)
 
 
+def test_diverging_warm_start_raises_and_saves_nothing(tmp_path, tokenizer, world, env):
+    """At lr 1e30 the first update blows the weights up and the next loss is not finite:
+    the run stops naming the learning rate, and the model on disk is the one it started
+    from (a NaN model would otherwise be saved and reused by every later run)."""
+    model_dir = build_tiny_model(tokenizer, tmp_path / "model", seed=0, **MODEL)
+    before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    with pytest.raises(FloatingPointError, match=r"nothing was saved.*warm_start_lr"):
+        warm_start(model_dir, world, env, steps=5, batch_size=2, lr=1e30, warmup=1,
+                   log_every=0)
+    after = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_warm_start_over_several_worlds(tmp_path, tokenizer, env):
     worlds = [generate_world(s, n_questions=6, **SIZES) for s in (11, 12)]
     model_dir = build_tiny_model(tokenizer, tmp_path / "model", seed=0, **MODEL)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -316,6 +317,10 @@ def _train(model_dir, seqs, stats, steps, batch_size, lr, warmup, weight_decay,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(
+                f"warm start: loss {loss.item()} at step {step + 1} (lr {lr}); nothing was "
+                f"saved. Lower the learning rate: warm_start_lr in --data.demo.options")
         stats["losses"].append(loss.item())
         stats["steps"] = step + 1
         if log_every and (step + 1) % log_every == 0:

@@ -108,13 +108,24 @@ def _word(rng: random.Random, n_syllables: int) -> str:
 
 
 def _unique_words(rng: random.Random, count: int, n_syllables: int, used: set[str]) -> list[str]:
-    """``count`` fresh capitalised words of ``n_syllables`` pool syllables each."""
+    """``count`` fresh capitalised words of ``n_syllables`` pool syllables each.
+
+    Raises ValueError when fresh words run out (a draw keeps failing) instead of looping for
+    ever: the pool makes at most ``len(SYLLABLES) ** n_syllables`` words.
+    """
     out: list[str] = []
+    misses = 0
     while len(out) < count:
         w = _word(rng, n_syllables)
         if w not in used:
             used.add(w)
             out.append(w)
+            misses = 0
+        elif (misses := misses + 1) > 10_000:
+            raise ValueError(f"generate_world: ran out of fresh {n_syllables}-syllable names "
+                             f"after {len(used)} (the pool makes at most "
+                             f"{len(SYLLABLES) ** n_syllables}); lower n_people (or raise "
+                             f"namesakes), n_cities or n_companies")
     return out
 
 
@@ -139,8 +150,9 @@ def generate_world(seed: int, n_people: int = 300, n_cities: int = 40, n_countri
         n_countries: countries, drawn from :data:`COUNTRY_POOL`.
         n_companies: companies (each based in one city).
         n_questions: questions to draw (fewer if the world has fewer distinct ones).
-        namesakes: about how many people share each first name and each last name; 1 gives
-            every person unique name parts (no namesake distractors).
+        namesakes: about how many people share each first name; as many last names as
+            first names are drawn, each person's at random. 1 gives every person a first
+            name of their own (no namesake distractors; last names may still repeat).
         shuffle_facts: randomise the order of the two facts in a person's document, so the
             policy must read rather than copy a fixed position.
         mix: question type -> weight (types in :data:`QUESTION_TYPES`); default
