@@ -105,6 +105,23 @@ def test_index_is_cached_and_reloaded(shared_data, tmp_path):
     assert len(list((tmp_path / "cache").iterdir())) == 3  # no temporary folders left behind
 
 
+def test_a_broken_cache_is_replaced_once(shared_data, tmp_path, capsys):
+    """A cache folder whose meta.json is garbage is ignored, rebuilt and replaced: the next
+    start loads it (before, the rename onto the non-empty folder failed silently and every
+    start rebuilt)."""
+    corpus = tmp_path / "corpus.jsonl"
+    lines = (shared_data / "2wikimultihopqa" / "corpus.jsonl").read_text().splitlines()[:50]
+    corpus.write_text("\n".join(lines) + "\n")
+    first = BM25Retriever(str(corpus), cache_dir=str(tmp_path / "cache"))
+    (first.index_dir / "meta.json").write_text("{not json")
+    second = BM25Retriever(str(corpus), cache_dir=str(tmp_path / "cache"))
+    assert not second.loaded_from_cache and "ignoring unreadable BM25 cache" in capsys.readouterr().out
+    third = BM25Retriever(str(corpus), cache_dir=str(tmp_path / "cache"))
+    assert third.loaded_from_cache
+    assert third.search(["English cricketer"], 3) == first.search(["English cricketer"], 3)
+    assert [f.name for f in (tmp_path / "cache").iterdir()] == [first.index_dir.name]
+
+
 def test_default_cache_dir_never_writes_into_read_only_folders(tmp_path):
     assert default_cache_dir(tmp_path / "c.jsonl") == tmp_path / ".bm25_cache"
     read_only = tmp_path / "ro"

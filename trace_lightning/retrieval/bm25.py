@@ -165,7 +165,7 @@ class BM25Retriever:
         self._bm25 = bm25s.BM25(k1=self.k1, b=self.b, method=self.method, backend="numpy")
         self._bm25.index(tokens, show_progress=False)
 
-    def _load_index(self, index_dir: Path) -> bool:
+    def _load_index(self, index_dir: Path, quiet: bool = False) -> bool:
         """Load a cached index; False when there is none or it does not fit this corpus."""
         meta_path = index_dir / "meta.json"
         if not meta_path.is_file():
@@ -174,7 +174,9 @@ class BM25Retriever:
             meta = json.loads(meta_path.read_text())
             bm25 = bm25s.BM25.load(str(index_dir), load_vocab=True, show_progress=False)
         except (OSError, ValueError, KeyError) as e:
-            print(f"[trace-lightning] ignoring unreadable BM25 cache {index_dir} ({e}); rebuilding")
+            if not quiet:
+                print(f"[trace-lightning] ignoring unreadable BM25 cache {index_dir} ({e}); "
+                      f"rebuilding")
             return False
         n = len(self.passages)
         if meta.get("num_docs") != n or bm25.scores["num_docs"] != n:
@@ -183,7 +185,12 @@ class BM25Retriever:
         return True
 
     def _save_index(self, index_dir: Path) -> None:
-        """Write to a temporary sibling folder, then rename it into place."""
+        """Write to a temporary sibling folder, then rename it into place.
+
+        A folder already there that does not load (unreadable, or another corpus's: why
+        this index was built) is moved aside and deleted, else every start would rebuild;
+        one that loads was saved by another process meanwhile and is kept.
+        """
         try:
             index_dir.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=index_dir.parent))
@@ -195,9 +202,18 @@ class BM25Retriever:
             self._bm25.save(str(tmp), show_progress=False)
             (tmp / "meta.json").write_text(json.dumps(
                 {"num_docs": len(self.passages), "settings": self._settings()}, indent=1))
-            os.replace(tmp, index_dir)
-        except OSError:
-            pass  # another process saved the same index first; ours is identical
+            try:
+                os.replace(tmp, index_dir)
+            except OSError:
+                if self._load_index(index_dir, quiet=True):
+                    return  # another process saved the same index first
+                stale = Path(tempfile.mkdtemp(prefix=".stale-", dir=index_dir.parent))
+                os.replace(index_dir, stale / "index")
+                shutil.rmtree(stale, ignore_errors=True)
+                os.replace(tmp, index_dir)
+        except OSError as e:
+            print(f"[trace-lightning] cannot cache the BM25 index in {index_dir} ({e}); it is "
+                  f"rebuilt on each start. Pass a writable cache_dir to keep it.")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
