@@ -113,6 +113,20 @@ def test_sync_into_hf_engine(model_dir, policy, probe):
     assert check_sync(policy, engine, probe) < 1e-5
 
 
+def test_engine_with_nan_weights_fails_the_check(model_dir, policy, probe):
+    """An engine that loaded a NaN norm weight gives [0.0, nan, nan, ...] per probe row (the
+    first position is 0 on both sides); the check must not let the NaNs through."""
+    engine = build_engine("hf", model_dir)
+    broken = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        broken.model.norm.weight.fill_(float("nan"))
+    engine.load_weights(policy_weights(broken))
+    got = engine.prompt_logprobs(probe)
+    assert got[0][0] == 0.0 and all(x != x for x in got[0][1:])  # the shape of the hole
+    with pytest.raises(WeightSyncError, match="differ from the policy's by nan"):
+        check_sync(policy, engine, probe)
+
+
 def test_engine_left_unchanged_by_the_load_is_caught_below_atol(model_dir, policy, probe):
     """A load that silently changes nothing passes the check against the policy when the
     policy moved less than atol (here a loose bf16-engine tolerance); the policy's log-probs

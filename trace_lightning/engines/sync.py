@@ -13,6 +13,7 @@ engines handle tied embeddings themselves.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -109,7 +110,10 @@ POLICY_MOVED = 1e-4
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+    """Largest |x - y|; NaN if any pair is NaN (Python's ``max`` would skip a NaN that
+    follows a number, and the first position of a probe is 0.0 on both sides)."""
+    diffs = [abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True)]
+    return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
 
 
 def check_sync(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]],
