@@ -180,6 +180,37 @@ def test_hf_engine_shares_a_module(reference, prompts, tokenizer):
     assert engine.model is reference
 
 
+def test_hf_engine_restores_train_mode_when_generation_fails(model_dir, tokenizer):
+    """An engine on the policy module switches it to eval for sampling; a failing call (a
+    token id outside the vocabulary) must still hand the module back in train mode."""
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    engine = HFEngine(policy, tokenizer=tokenizer)
+    with pytest.raises(IndexError):
+        engine.generate([[5, 6, 10**6]], SamplingConfig(temperature=0.0, max_tokens=2))
+    assert policy.training
+
+
+def test_hf_engine_computes_only_the_logits_it_samples(model_dir, tokenizer, prompts):
+    """K tokens take K LM-head calls, each on one position per row: the prompt's other
+    positions get no logits, and the K-th token needs no forward after it."""
+    engine = HFEngine(model_dir, tokenizer=tokenizer)
+    rows = []
+    hook = engine.model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.shape[1]))
+    try:
+        out = engine.generate(prompts, SamplingConfig(temperature=0.0, max_tokens=4))
+    finally:
+        hook.remove()
+    assert [len(o[0].token_ids) for o in out] == [4, 4]
+    assert rows == [1, 1, 1, 1]
+
+
+def test_hf_engine_stops_on_the_tokenizers_eos_as_vllm_does(model_dir, tokenizer):
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    policy.generation_config.eos_token_id = 7  # a config naming another EOS id
+    engine = HFEngine(policy, tokenizer=tokenizer)
+    assert engine.eos_ids == {7, tokenizer.eos_token_id}
+
+
 def test_build_engine_errors_name_flag_value_and_fix(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError) as err:

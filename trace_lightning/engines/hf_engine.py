@@ -60,6 +60,8 @@ class HFEngine:
         if eos is None:
             eos = self.model.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)  # vLLM stops on it too
         pad = self.model.generation_config.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
 
@@ -99,50 +101,54 @@ class HFEngine:
         model, device = self.model, self.device
         was_training = model.training
         model.eval()
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # (B, T)
-        # every step's attention mask at once, prompts left-padded: step k reads a view of
-        # its first T + k + 1 columns (growing the mask with cat copied it every step)
-        mask = torch.ones(batch, width + sampling.max_tokens, dtype=torch.long)  # (B, T + K)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, :width - len(p)] = 0
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # (B, T)
-        cache = DynamicCache(config=model.config)
-        logits = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
-                       past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        finish: list[str | None] = [None] * batch
-        stop_window = max((len(s) for s in sampling.stop), default=0) + 2
-        for step in range(sampling.max_tokens):
-            # on the model's device; only (B,) tokens and log-probs come back to the host
-            # (copying (B, V) logits each step made a 256 x 151,936 batch 17x slower on GPU)
-            logits = logits.float()  # (B, V)
-            nxt = self._sample(logits, generators, sampling)  # (B,)
-            chosen = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]  # (B,)
-            nxt_host, chosen_host = nxt.tolist(), chosen.tolist()
-            for i in range(batch):
-                if finish[i] is not None:
-                    continue
-                tok = nxt_host[i]
-                tokens[i].append(tok)
-                logprobs[i].append(chosen_host[i])
-                if tok in self.eos_ids:
-                    finish[i] = "stop"
-                elif sampling.stop:
-                    tail = self.tokenizer.decode(tokens[i][-stop_window:],
-                                                 skip_special_tokens=True)
-                    if any(s in tail for s in sampling.stop):
+        try:
+            batch, width = len(prompts), max(len(p) for p in prompts)
+            ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # (B, T)
+            # every step's attention mask at once, prompts left-padded: step k reads a view of
+            # its first T + k + 1 columns (growing the mask with cat copied it every step)
+            mask = torch.ones(batch, width + sampling.max_tokens, dtype=torch.long)  # (B, T + K)
+            for i, p in enumerate(prompts):
+                ids[i, width - len(p):] = torch.tensor(p)
+                mask[i, :width - len(p)] = 0
+            ids, mask = ids.to(device), mask.to(device)
+            positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # (B, T)
+            cache = DynamicCache(config=model.config)
+            # logits_to_keep=1: the prompt's other positions' logits would be (B, T, V)
+            logits = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
+                           past_key_values=cache, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]  # (B, V)
+            tokens: list[list[int]] = [[] for _ in range(batch)]
+            logprobs: list[list[float]] = [[] for _ in range(batch)]
+            finish: list[str | None] = [None] * batch
+            stop_window = max((len(s) for s in sampling.stop), default=0) + 2
+            for step in range(sampling.max_tokens):
+                # on the model's device; only (B,) tokens and log-probs come back to the host
+                # (copying (B, V) logits each step made a 256 x 151,936 batch 17x slower on GPU)
+                logits = logits.float()  # (B, V)
+                nxt = self._sample(logits, generators, sampling)  # (B,)
+                chosen = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]  # (B,)
+                nxt_host, chosen_host = nxt.tolist(), chosen.tolist()
+                for i in range(batch):
+                    if finish[i] is not None:
+                        continue
+                    tok = nxt_host[i]
+                    tokens[i].append(tok)
+                    logprobs[i].append(chosen_host[i])
+                    if tok in self.eos_ids:
                         finish[i] = "stop"
-            if all(f is not None for f in finish):
-                break
-            positions = positions[:, -1:] + 1  # (B, 1)
-            logits = model(input_ids=nxt[:, None], attention_mask=mask[:, :width + step + 1],
-                           position_ids=positions, past_key_values=cache,
-                           use_cache=True).logits[:, -1]  # (B, V)
-        model.train(was_training)
+                    elif sampling.stop:
+                        tail = self.tokenizer.decode(tokens[i][-stop_window:],
+                                                     skip_special_tokens=True)
+                        if any(s in tail for s in sampling.stop):
+                            finish[i] = "stop"
+                if all(f is not None for f in finish) or step == sampling.max_tokens - 1:
+                    break  # (the last step's token needs no forward)
+                positions = positions[:, -1:] + 1  # (B, 1)
+                logits = model(input_ids=nxt[:, None], attention_mask=mask[:, :width + step + 1],
+                               position_ids=positions, past_key_values=cache,
+                               use_cache=True).logits[:, -1]  # (B, V)
+        finally:  # an engine built on the policy module leaves it as it found it
+            model.train(was_training)
         return [Completion(tokens[i], logprobs[i], finish[i] or "length") for i in range(batch)]
 
     @staticmethod
