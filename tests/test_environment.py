@@ -82,6 +82,7 @@ VALID = [
     ("unicode-answer", "<answer> Zürich\u3000東京 </answer>", "answer", "Zürich 東京"),
     ("long-think", "<think>" + "word " * 20_000 + "</think><answer>x</answer>", "answer", "x"),
     ("angle-brackets-in-answer", "<answer>a < b > c</answer>", "answer", "a < b > c"),
+    ("text-before-action", "Sure. <think>a</think>so<answer>Paris</answer>", "answer", "Paris"),
 ]
 
 
@@ -309,3 +310,14 @@ def test_bad_f1_threshold_fails_at_construction(tokenizer, retriever):
     # at 0 a missing answer (F1 0) would earn reward 1
     with pytest.raises(ValueError, match=r"--data.env.f1_threshold \(0.0\) must be in \(0, 1\]"):
         SearchEnvironment(tokenizer, retriever, reward="f1_threshold", f1_threshold=0.0)
+
+
+def test_stop_string_made_a_special_token_is_refused(corpus, retriever):
+    """Engines decode without special tokens when they look for stop strings: a tokenizer
+    that makes </answer> special would let a turn run past its answer, and the junk after it
+    would be trained on. Refused at construction, with the fix."""
+    tokenizer = train_tokenizer(read_corpus_texts(corpus, 50), 400, AGENT_TAGS)
+    SearchEnvironment(tokenizer, retriever)  # the tags as normal tokens: fine
+    tokenizer.add_special_tokens({"additional_special_tokens": ["</answer>"]})
+    with pytest.raises(ValueError, match=r"makes '</answer>' a special token.*special_tokens=False"):
+        SearchEnvironment(tokenizer, retriever)

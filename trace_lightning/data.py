@@ -147,6 +147,9 @@ class TraceDataModule(L.LightningDataModule):
             raise ValueError(f"--data.minibatches_per_step ({self.minibatches_per_step}) and "
                              f"--data.ppo_epochs ({self.ppo_epochs}) must be >= 1: together "
                              f"they are the optimizer steps per RL step")
+        if self.oracle_samples < 1:
+            raise ValueError(f"--data.oracle_samples ({self.oracle_samples}) must be >= 1: the "
+                             f"rollouts per node that estimate its success for 'oracle'")
         if self.retriever_timeout_s <= 0 or self.retriever_retries < 0:
             raise ValueError(f"--data.retriever_timeout_s ({self.retriever_timeout_s}) must be "
                              f"> 0 and --data.retriever_retries ({self.retriever_retries}) "

@@ -48,8 +48,10 @@ def parse_turn(text: str) -> Action:
     """Parse one generated turn; never raises.
 
     Valid: optional ``<think>...</think>`` blocks, then exactly one ``<search>q</search>`` or
-    ``<answer>a</answer>``, then nothing but whitespace. Everything else is "invalid" with
-    the reason: unclosed or nested tags, two actions, an action only inside ``<think>``, an
+    ``<answer>a</answer>``, then nothing but whitespace. Untagged text before the action
+    (before or between think blocks) is reasoning, as in Search-R1, which does not require
+    the think tags. Everything else is "invalid" with the reason: unclosed or nested tags,
+    two actions, text after the action, an action only inside ``<think>``, an
     ``<information>`` block written by the policy, an empty query, no action at all.
     An empty answer is a (wrong) answer, not a malformed one.
     """
@@ -153,6 +155,14 @@ class SearchEnvironment:
         self.max_query_chars = max_query_chars
         self.instruction, self.use_chat_template = instruction, use_chat_template
         self.reward_kind, self.f1_threshold = reward, f1_threshold
+        for s in self.stop:  # engines look for stop strings in text without special tokens
+            if s not in tokenizer.decode(self._encode(s), skip_special_tokens=True):
+                raise ValueError(
+                    f"the policy's tokenizer makes {s!r} a special token, so the engines "
+                    f"(which decode with skip_special_tokens) would never see the stop string "
+                    f"and a turn would run on past its action; add the agent tags as normal "
+                    f"tokens (tokenizer.add_tokens(tags, special_tokens=False)) or leave them "
+                    f"out of the vocabulary")
         self._obs_open = self._encode("\n\n<information>")
         self._obs_close = self._encode("</information>\n\n")
 
