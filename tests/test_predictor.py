@@ -215,6 +215,10 @@ def test_a_fit_that_beats_nothing_leaves_the_predictor_as_it_was():
     torch.testing.assert_close(pred.predict(shifted, torch.zeros(200)), p_before)
     assert stats["predictor/loss_before"] == pytest.approx(
         weighted_squared_error(p_before, y, torch.ones(200)).item())
+    # without a held-out share too: a fit of no passes moves nothing
+    fit_predictor(pred, opt, replay(shifted), epochs=0, batch_size=32, generator=gen,
+                  holdout=0.0)
+    torch.testing.assert_close(pred.predict(shifted, torch.zeros(200)), p_before)
     # passes that all make it worse (a huge lr) are undone, the optimizer's moments too:
     # the next fit's first steps would otherwise follow the discarded passes' momentum
     moments = copy.deepcopy(opt.state_dict()["state"])
@@ -227,6 +231,34 @@ def test_a_fit_that_beats_nothing_leaves_the_predictor_as_it_was():
     for k in moments:
         for name in ("step", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(after[k][name], moments[k][name], atol=0, rtol=0)
+
+
+def test_standardisation_of_unseen_and_far_values():
+    """A dimension constant over the replay (a bag-of-tokens bucket no prompt hit) keeps
+    scale 1: a new prompt's 0.1 there moves the input by 0.1, not by 0.1 / 1e-6 (which
+    saturated the output at 0 or 1, and a prompt at v = 0 or 1 is filtered out). Values
+    beyond CLIP standard deviations count as CLIP."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.rand(200, 4, generator=gen)  # (N, D)
+    x[:, 3] = 0.0  # never seen
+    y = (x[:, 0] > 0.5).float()  # (N,)
+    buf = ReplayBuffer(max_steps=1)
+    buf.add(PredictorBatch(x, torch.zeros(200, dtype=torch.long), y, torch.ones(200),
+                           torch.arange(200)))
+    torch.manual_seed(0)
+    pred = SuccessPredictor(4, hidden=16)
+    fit_predictor(pred, torch.optim.AdamW(pred.parameters(), lr=3e-3), buf, epochs=5,
+                  batch_size=32, generator=gen, holdout=0.0)
+    assert pred.feature_std[3] == 1.0 and pred.feature_mean[3] == 0.0
+    seen, new = x[:8].clone(), x[:8].clone()
+    new[:, 3] = 0.1
+    depth = torch.zeros(8, dtype=torch.long)
+    p_seen, p_new = pred.predict(seen, depth), pred.predict(new, depth)
+    assert (p_new - p_seen).abs().max() < 0.1 and ((p_new > 0.01) & (p_new < 0.99)).all()
+    far, edge = x[:1].clone(), x[:1].clone()
+    far[0, 1] = pred.feature_mean[1] + 100 * pred.feature_std[1]
+    edge[0, 1] = pred.feature_mean[1] + SuccessPredictor.CLIP * pred.feature_std[1]
+    torch.testing.assert_close(pred.logits(far, depth[:1]), pred.logits(edge, depth[:1]))
 
 
 def test_early_stopping_keeps_the_predictor_from_memorising_noise():

@@ -42,8 +42,11 @@ class SuccessPredictor(nn.Module):
 
     Features are standardised with per-dimension ``feature_mean``/``feature_std`` buffers
     (identity at init; ``fit_predictor`` sets them from the replay before each fit), which
-    tames the outlier dimensions of LLM hidden states. The output layer starts at zero, so
-    the initial prediction is exactly 0.5.
+    tames the outlier dimensions of LLM hidden states. A dimension constant over the replay
+    keeps scale 1 (its weights never trained: divided by a tiny std, a new prompt's small
+    value there would saturate the output), and standardised values are clipped to
+    +-``CLIP`` standard deviations. The output layer starts at zero, so the initial
+    prediction is exactly 0.5.
 
     Args:
         feature_dim: size of the feature vector (``Featuriser.feature_dim``).
@@ -67,8 +70,11 @@ class SuccessPredictor(nn.Module):
         nn.init.zeros_(self.mlp[-1].weight)
         nn.init.zeros_(self.mlp[-1].bias)
 
+    CLIP = 10.0
+
     def logits(self, features: Tensor, depth: Tensor) -> Tensor:
         x = (features - self.feature_mean) / self.feature_std  # (N, D)
+        x = x.clamp(-self.CLIP, self.CLIP)  # (N, D)
         d = self.depth(depth.long().clamp(0, self.max_depth))  # (N, E)
         return self.mlp(torch.cat([x, d], dim=-1)).squeeze(-1)  # (N,)
 
@@ -93,7 +99,7 @@ class SuccessPredictor(nn.Module):
         self.feature_mean.copy_(features.mean(0))  # (D,)
         std = features.std(0, correction=0) if len(features) > 1 else torch.ones_like(
             self.feature_std)  # (D,)
-        self.feature_std.copy_(std.clamp(min=1e-6))  # (D,)
+        self.feature_std.copy_(torch.where(std > 1e-6, std, 1.0))  # (D,): constant -> 1
 
 
 def predict_nodes(predictor: SuccessPredictor, trees: list[RolloutTree],
@@ -294,7 +300,8 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
                 best_moments = copy.deepcopy(optimizer.state_dict())
         else:
             kept = epoch
-    if n_held:  # the kept pass's weights, and the optimizer's moments as they were then
+    if n_held or not updates:  # the kept pass's weights and the optimizer's moments as they
+        # were then; no update at all (epochs=0): the predictor as it was, standardisation too
         predictor.load_state_dict(best_state)
         optimizer.load_state_dict(best_moments)
     predictor.train(was_training)
