@@ -294,6 +294,7 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     ("--model.lr_warmup_steps=-1", "--model.lr_warmup_steps (-1) must be >= 0"),
     ("--data.retriever_timeout_s=0", "--data.retriever_timeout_s (0.0) must be > 0"),
     ("--data.oracle_samples=0", "--data.oracle_samples (0) must be >= 1"),
+    ("--model.dual_clip=0.5", "--model.dual_clip (0.5) must be > 1"),
 ])
 def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message, capsys):
     with pytest.raises((SystemExit, ValueError)) as err:

@@ -67,6 +67,32 @@ def test_clip_high_zeroes_gradient_only_for_positive_advantage():
     assert loss.item() == pytest.approx((-1.2 + math.exp(0.5)) / 2, rel=RTOL, abs=ATOL)
 
 
+def test_dual_clip_caps_the_negative_advantage_term():
+    # logp - old = log 5 -> ratio 5 on both tokens; dual_clip 3.
+    # t0 A = -1: max(-A ratio, -A clip(ratio)) = max(5, 1.28) = 5; min(5, -A x 3 = 3) = 3,
+    #     capped: gradient 0.
+    # t1 A = +2: max(-10, -2 x 1.28 = -2.56) = -2.56 (clipped high; dual-clip is for A < 0).
+    # token mean: (3 - 2.56) / 2 = 0.22; without dual-clip (5 - 2.56) / 2 = 1.22 with
+    # gradient ratio x 1 / 2 tokens = 2.5 on t0.
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)  # (1, 2)
+    old = torch.full((1, 2), -math.log(5.0))  # (1, 2)
+    adv = torch.tensor([[-1.0, 2.0]])  # (1, 2)
+    mask = torch.ones(1, 2)  # (1, 2)
+    loss, stats = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    assert loss.item() == pytest.approx((3.0 - 2.56) / 2, rel=RTOL, abs=ATOL)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.zeros(1, 2), rtol=RTOL, atol=ATOL)
+    assert stats["clip_frac_dual"].item() == pytest.approx(0.5)
+    logp.grad = None
+    off, stats = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert off.item() == pytest.approx((5.0 - 2.56) / 2, rel=RTOL, abs=ATOL)
+    off.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[2.5, 0.0]]), rtol=RTOL, atol=ATOL)
+    assert stats["clip_frac_dual"].item() == 0.0
+    with pytest.raises(ValueError, match="dual_clip"):
+        policy_loss(logp, old, adv, mask, dual_clip=1.0)
+
+
 def test_kl_term_by_hand():
     logp, old, adv, mask = one_by_four()
     # d = ref - logp = [0, 0.5, (masked), -1]; k3 = e^d - d - 1:

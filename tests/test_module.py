@@ -145,27 +145,34 @@ def _fit(module: TraceModule, batches: list[dict], callbacks=(), **kw) -> L.Trai
     return trainer
 
 
-def test_training_step_logs_minibatch_statistics(policy_dir):
+@pytest.mark.parametrize("dual_clip", [None, 1.05])
+def test_training_step_logs_minibatch_statistics(policy_dir, dual_clip):
     """The logged loss is the sum of the micro-batch losses (each normalised by the whole
     mini-batch's policy tokens), statistics are token-weighted means over both micro-batches,
-    ratio_max is the largest over both, computed here from the initial policy."""
+    ratio_max is the largest over both, computed here from the initial policy; with
+    --model.dual_clip the loss is the dual-clipped one."""
     batch = _minibatch(1)
     policy = load(policy_dir)
     loss_sum, tokens, weighted, ratio_max, entropies = 0.0, 0.0, {}, 0.0, []
+    undual = 0.0
     for mb in batch["micro"]:
         logp, ent = token_logprobs(policy(input_ids=mb["input_ids"]).logits, mb["input_ids"],
                                    with_entropy=True)
         loss, stats = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["policy_mask"],
                                   clip_low=0.2, clip_high=0.28, normalizer=batch["n_tokens"],
-                                  entropy=ent)
+                                  entropy=ent, dual_clip=dual_clip)
+        undual += policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["policy_mask"],
+                              normalizer=batch["n_tokens"])[0].item()
         w = float(stats["tokens"])
         entropies.append(float(stats["entropy"]))
         loss_sum += loss.item()
         tokens += w
         ratio_max = max(ratio_max, float(stats["ratio_max"]))
-        for k in ("approx_kl", "ratio_mean", "entropy", "clip_frac_low"):
+        for k in ("approx_kl", "ratio_mean", "entropy", "clip_frac_low", "clip_frac_dual"):
             weighted[k] = weighted.get(k, 0.0) + float(stats[k]) * w
-    trainer = _fit(TraceModule(policy_path=str(policy_dir), lr=1e-3), [batch])
+    assert (abs(loss_sum - undual) > 1e-3) == (dual_clip is not None)  # the cap bites here
+    trainer = _fit(TraceModule(policy_path=str(policy_dir), lr=1e-3, dual_clip=dual_clip),
+                   [batch])
     got = {k: float(v) for k, v in trainer.logged_metrics.items()}
     assert got["train/policy_tokens"] == tokens == batch["n_tokens"]
     assert got["train/loss"] == pytest.approx(loss_sum, rel=1e-4, abs=1e-6)
@@ -181,7 +188,8 @@ def test_training_step_logs_minibatch_statistics(policy_dir):
     # under several ranks the divisor is the mini-batch's tokens over all ranks / ranks
     # (packing.equalise_over_ranks), here as if the other rank held 7 times this one's tokens
     shared = dict(batch, normalizer=(batch["n_tokens"] * 8) / 2)
-    trainer = _fit(TraceModule(policy_path=str(policy_dir), lr=1e-3), [shared])
+    trainer = _fit(TraceModule(policy_path=str(policy_dir), lr=1e-3, dual_clip=dual_clip),
+                   [shared])
     assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(loss_sum / 4, rel=1e-4)
 
 

@@ -12,12 +12,16 @@ Policy loss (PPO clipped surrogate, DAPO's asymmetric "clip-higher")::
 
     ratio_t = exp(logp_t - old_t)
     pg_t    = max(-A_t ratio_t, -A_t clip(ratio_t, 1 - clip_low, 1 + clip_high))
+    pg_t    = min(pg_t, -A_t dual_clip)   where A_t < 0            (dual-clip, optional)
     kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1       (k3 estimator, optional)
     loss    = agg(pg) + kl_coef * agg(kl)
 
 over mask tokens only (policy tokens: prompt, observation and padding tokens are out).
 ``agg``: ``token_mean`` (DAPO / Dr. GRPO: every token of the mini-batch weighs the same) or
 ``seq_mean_token_mean`` (original GRPO: mean per sequence, then over sequences).
+Dual-clip (Ye et al. 2020, verl's ``clip_ratio_c``): for a negative advantage the surrogate
+grows without bound with the ratio (a token the policy now likes far more than the sampler
+did); capping it at ``-A dual_clip`` bounds that term and zeroes its gradient.
 Numerical guards as in verl: ``logp - old`` and ``ref - logp`` are clamped to [-20, 20]
 before ``exp``, and masked positions are zeroed *before* ``exp``, so a masked token with a
 huge ratio can produce neither ``inf * 0 = nan`` nor a gradient.
@@ -251,7 +255,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
                 loss_agg: LossAgg = "token_mean", normalizer: float | None = None,
-                entropy: torch.Tensor | None = None,
+                entropy: torch.Tensor | None = None, dual_clip: float | None = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss with an optional k3 KL penalty to a reference.
 
@@ -268,16 +272,20 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         normalizer: the mini-batch's token (or sequence) count when this is one micro-batch;
             ``None`` normalises by this batch's own count.
         entropy: ``(B, T)`` per-token entropy, only reported in the stats.
+        dual_clip: cap of ``-A ratio`` for ``A < 0`` at ``-A dual_clip`` (> 1; ``None``: off).
 
     Returns:
         ``loss`` (scalar) and detached scalar ``stats``: ``pg_loss``, ``clip_frac_low``,
-        ``clip_frac_high``, ``approx_kl`` (k1: mean of old - logp), ``approx_kl_k3``,
+        ``clip_frac_high``, ``clip_frac_dual`` (0 when off), ``approx_kl`` (k1: mean of
+        old - logp), ``approx_kl_k3``,
         ``ratio_mean``, ``ratio_max``, ``tokens``, and ``kl_ref`` / ``entropy`` when given.
         Stats are plain means over this call's mask tokens (not divided by ``normalizer``).
     """
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef ({kl_coef}) > 0 needs ref_logprobs; pass the reference "
                          f"model's log-probs or set kl_coef to 0")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip ({dual_clip}) must be > 1 (verl's default is 3.0) or None")
     valid = mask.bool()  # (B, T)
     m = valid.to(logprobs.dtype)  # (B, T)
     n_tokens = m.sum().clamp(min=1.0)  # ()
@@ -289,6 +297,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     surr = -adv * ratio  # (B, T)
     surr_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
     pg = torch.maximum(surr, surr_clipped)  # (B, T)
+    if dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)  # (B, T)
     pg_loss = _agg(pg, m, loss_agg, normalizer)  # ()
     loss = pg_loss
 
@@ -296,11 +306,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         r = ratio.detach()  # (B, T)
         low = valid & (adv < 0) & (r < 1.0 - clip_low)  # (B, T): gradient zeroed here
         high = valid & (adv > 0) & (r > 1.0 + clip_high)  # (B, T): gradient zeroed here
+        dual = (valid & (adv < 0) & (r > dual_clip) if dual_clip is not None
+                else torch.zeros_like(valid))  # (B, T): gradient zeroed here
         neg = -log_ratio.detach()  # (B, T): old - logp
         stats = {
             "pg_loss": pg_loss.detach(),
             "clip_frac_low": (low.to(m.dtype).sum() / n_tokens),
             "clip_frac_high": (high.to(m.dtype).sum() / n_tokens),
+            "clip_frac_dual": (dual.to(m.dtype).sum() / n_tokens),
             "approx_kl": (neg * m).sum() / n_tokens,
             "approx_kl_k3": ((torch.exp(neg) - neg - 1.0) * m).sum() / n_tokens,
             "ratio_mean": (r * m).sum() / n_tokens,

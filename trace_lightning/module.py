@@ -64,6 +64,8 @@ class TraceModule(L.LightningModule):
         advantage: tree advantage: "tree_grpo" (default), "treepo", "segment", "grpo".
         clip_low: lower clip of the importance ratio (1 - clip_low).
         clip_high: upper clip of the importance ratio (1 + clip_high).
+        dual_clip: for a negative advantage, cap the loss term -A ratio at -A dual_clip
+            (dual-clip PPO, verl's clip_ratio_c; > 1, None: off).
         kl_coef: weight of the k3 KL to a frozen copy of the initial policy (0 = no reference).
         featuriser: how prefixes become predictor features.
         predictor_hidden: width of the predictor's hidden layer.
@@ -88,7 +90,8 @@ class TraceModule(L.LightningModule):
     def __init__(self, policy_path: str, dtype: str = "float32", lr: float = 1e-5,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  max_grad_norm: float = 1.0, advantage: AdvantageKind = "tree_grpo",
-                 clip_low: float = 0.2, clip_high: float = 0.28, kl_coef: float = 0.0,
+                 clip_low: float = 0.2, clip_high: float = 0.28,
+                 dual_clip: float | None = None, kl_coef: float = 0.0,
                  featuriser: Featuriser | None = None, predictor_hidden: int = 256,
                  predictor_lr: float = 1e-3, predictor_epochs: int = 4,
                  predictor_batch_size: int = 256, predictor_holdout: float = 0.2,
@@ -105,6 +108,9 @@ class TraceModule(L.LightningModule):
         if not 0 <= clip_low < 1 or clip_high < 0:
             raise ValueError(f"--model.clip_low ({clip_low}) must be in [0, 1) and "
                              f"--model.clip_high ({clip_high}) >= 0")
+        if dual_clip is not None and not dual_clip > 1.0:
+            raise ValueError(f"--model.dual_clip ({dual_clip}) must be > 1 (verl uses 3.0) or "
+                             f"null (off)")
         self.save_hyperparameters(ignore=["featuriser", "history"])
         self.automatic_optimization = False
         self.featuriser = featuriser or Featuriser()
@@ -281,7 +287,8 @@ class TraceModule(L.LightningModule):
                     ref, _ = self._logprobs(self.reference, mb)  # (B, T)
             loss, stats = policy_loss(logp, mb["old_logprobs"], mb["advantages"],
                                       mb["policy_mask"], clip_low=h.clip_low,
-                                      clip_high=h.clip_high, ref_logprobs=ref,
+                                      clip_high=h.clip_high, dual_clip=h.dual_clip,
+                                      ref_logprobs=ref,
                                       kl_coef=h.kl_coef, normalizer=normalizer, entropy=entropy)
             self.manual_backward(loss)
             w = stats.pop("tokens")
