@@ -526,3 +526,40 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
     calls = len(engine.calls)
     predict(trees)
     assert len(engine.calls) == calls  # every node already has its prediction
+
+
+@pytest.mark.parametrize("max_turns", [1, 3])
+def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokenizer, examples,
+                                                max_turns):
+    """random_tree at 2 prompts x 2 bare rollouts + 1 continuation each (8 leaves). With one
+    turn per episode there is no prefix: all 4 continuations become extra bare rollouts,
+    round robin (rollouts 2 and 3 of each tree, after stage 1's 0 and 1). With three turns
+    each continuation hangs under a planned prefix of a bare rollout, in that rollout's
+    subtree, and a tree's leaves are its bare rollouts plus its continuations."""
+    from trace_lightning.allocators import Allocator
+    from trace_lightning.collect import collect_step
+
+    alloc = Allocator("random_tree", roots=4, continuations=1, max_rollouts_per_prompt=4,
+                      group_size=2)
+    loop = AgentLoop(vllm_scripted, make_env(tokenizer, retriever, max_turns=max_turns),
+                     SAMPLING)
+    step = collect_step(loop, alloc, examples, predict=None, predictor_nodes_seen=0, epoch=0,
+                        seed=5, advantage="grpo")
+    assert step.budget.leaves == 8 == len(step.sequences) and step.stage1 == [2, 2]
+    bare = [len(t.bare_rollouts()) for t in step.trees]
+    if max_turns == 1:
+        assert step.unspent == 4 and bare == [4, 4]
+        for t in step.trees:
+            assert [t.nodes[i].rollout for i in t.bare_rollouts()] == [0, 1, 2, 3]
+            assert all(n.parent == 0 for n in t.leaves())
+        return
+    planned = [sum(n.continuations for n in t.nodes) for t in step.trees]
+    assert sum(planned) > 0, "p(search) 3/4: some bare rollout has a prefix"
+    assert sum(planned) + step.unspent == 4
+    for t, extra in zip(step.trees, planned):
+        assert len(t.leaves()) == len(t.bare_rollouts()) + extra
+        for n in t.nodes:
+            if n.continuations:  # a non-leaf prefix of a stage-1 bare rollout
+                assert not n.finished and n.depth >= 1 and n.rollout in (0, 1)
+                grown = [c for c in n.children if t.nodes[c].rollout == n.rollout]
+                assert len(grown) == 1 + n.continuations  # its own turn and the new ones
