@@ -208,6 +208,8 @@ def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path, recwarn):
     assert "val/demo_heldout/em" in metrics and "val/demo_heldout/questions" in metrics
     # 16 questions x the demo config's 2 samples each
     assert float(metrics["val/demo_heldout/questions"]) == 32
+    # the held-out set searches its own corpus; validating never indexes the training one
+    assert list(out.datamodule._retrievers) == [str(demo_dir / "eval_corpus.jsonl")]
     # vLLM starts torch.distributed in this one process; QAAccuracy's values are reduced
     # already, so Lightning's advice to log them with sync_dist=True is not shown
     assert not [w for w in recwarn if "self.log('val/" in str(w.message)]

@@ -252,9 +252,12 @@ class TraceDataModule(L.LightningDataModule):
         return HTTPRetriever(self.retriever_url, timeout_s=self.retriever_timeout_s,
                              retries=self.retriever_retries)
 
-    def _env(self, corpus: str | None) -> SearchEnvironment:
+    def _env(self, corpus: str | None, search: bool = True) -> SearchEnvironment:
+        """The environment on ``corpus``'s retriever; ``search=False``: prompts only (no
+        retriever is built: a validate-only run never indexes the training corpus)."""
         c = self.env_cfg
-        return SearchEnvironment(self.tokenizer, self._retriever(corpus), topk=c.topk,
+        retriever = self._retriever(corpus) if search else None
+        return SearchEnvironment(self.tokenizer, retriever, topk=c.topk,
                                  max_turns=c.max_turns, max_obs_tokens=c.max_obs_tokens,
                                  max_seq_tokens=c.max_seq_tokens,
                                  max_query_chars=c.max_query_chars, instruction=c.instruction,
@@ -269,7 +272,7 @@ class TraceDataModule(L.LightningDataModule):
     def _sync(self) -> None:
         """Copy the policy's weights into the engine and check the copy."""
         module = self.trainer.lightning_module
-        probe = [self._env(self.corpus).prompt(self._probe_question())[0][:64]]
+        probe = [self._env(None, search=False).prompt(self._probe_question())[0][:64]]
         tic = time.perf_counter()
         self.sync_diff = module.sync_to_engine(self.engine, probe, self.engine_cfg.sync_atol)
         self.timings["sync"] = time.perf_counter() - tic

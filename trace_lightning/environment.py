@@ -113,7 +113,8 @@ class SearchEnvironment:
 
     Args:
         tokenizer: the policy's tokenizer (a transformers tokenizer).
-        retriever: where ``<search>`` queries go (BM25 in-process or the HTTP client).
+        retriever: where ``<search>`` queries go (BM25 in-process or the HTTP client); None
+            for an environment that only builds prompts (``observe`` then raises).
         topk: passages per search.
         max_turns: turns before the episode is cut (reward 0, ``max_turns``).
         max_obs_tokens: an observation's body is cut to this many tokens.
@@ -128,7 +129,7 @@ class SearchEnvironment:
 
     stop = STOP_STRINGS
 
-    def __init__(self, tokenizer, retriever: Retriever, topk: int = 3, max_turns: int = 4,
+    def __init__(self, tokenizer, retriever: Retriever | None, topk: int = 3, max_turns: int = 4,
                  max_obs_tokens: int = 256, max_seq_tokens: int = 2048,
                  max_query_chars: int = 2000, instruction: str = SEARCH_R1_INSTRUCTION,
                  use_chat_template: bool = True,
@@ -182,6 +183,9 @@ class SearchEnvironment:
         """One batched retriever call; token ids and text of each observation."""
         if not queries:
             return []
+        if self.retriever is None:
+            raise RuntimeError("this SearchEnvironment was built without a retriever (prompts "
+                               "only); pass one to search")
         results = self.retriever.search([q[: self.max_query_chars] for q in queries],
                                         self.topk)
         out = []
