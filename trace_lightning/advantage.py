@@ -13,7 +13,7 @@ Group normalisation (used by every kind but ``segment``), for a group ``G`` of l
 - ``std`` is the unbiased sample std (ddof=1), as ``torch.std`` in verl's GRPO
   (``compute_grpo_outcome_advantage``); ``eps = 1e-6``. For a group of two with rewards
   ``{1, 0}`` this gives ``+-0.7071`` (population std would give ``+-1``).
-- **Group of one: mean 0, std 1** (DESIGN.md, and verl's convention for a prompt with one
+- **Group of one: mean 0, std 1** (our design notes, and verl's convention for a prompt with one
   response): a lone leaf's normalised value is ``r / (1 + eps)`` (``r`` without std), i.e. the
   reward itself, not 0. A group whose rewards are all equal (size >= 2) gives 0.
 

@@ -10,7 +10,7 @@ probability that its leaves are mixed::
 budget, or the most of it that can be spent), ``m_i = 0`` or ``2 <= m_i <= m_max``, and at
 most ``max_prompts`` prompts opened.
 
-Deviation from the paper's / DESIGN.md's "greedy max-heap over gains per unit (opening cost
+Deviation from the paper's / our design notes' "greedy max-heap over gains per unit (opening cost
 2) is exact": it is not, because an opening block of 2 may not fit the last unit of budget.
 Counterexample (a regression test): ``v = [0.5, 0.14]``, budget 5. The heap opens 0.5 (0.25
 per unit), extends it (0.25), then prefers its 4th rollout (gain 0.125) to opening 0.14

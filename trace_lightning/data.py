@@ -30,7 +30,7 @@ from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
 from trace_lightning.data_config import DemoConfig, EngineConfig, EnvConfig, EvalSet
 from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines.base import SamplingConfig
-from trace_lightning.environment import SearchEnvironment
+from trace_lightning.environment import SEARCH_R1_INSTRUCTION, SearchEnvironment
 from trace_lightning.hub import local_model_dir
 from trace_lightning.packing import (collate, equalise_over_ranks, pack_microbatches,
                                      split_minibatches)
@@ -71,7 +71,8 @@ class TraceDataModule(L.LightningDataModule):
             RL step, every one clipped against the behaviour log-probs of the rollouts.
         train_limit: use only the first ``train_limit`` training questions.
         trees_dir: write every epoch's trees as JSONL here (None: don't).
-        demo: prepare and use the generated demo world instead of ``train``/``val``.
+        demo: prepare and use the generated demo world instead of ``train`` (and its
+            held-out world as validation set when ``val`` is empty).
         oracle_samples: extra rollouts per node that estimate true success (``oracle`` only).
         seed: seed of candidate sampling and rollouts.
     """
@@ -260,7 +261,8 @@ class TraceDataModule(L.LightningDataModule):
         return SearchEnvironment(self.tokenizer, retriever, topk=c.topk,
                                  max_turns=c.max_turns, max_obs_tokens=c.max_obs_tokens,
                                  max_seq_tokens=c.max_seq_tokens,
-                                 max_query_chars=c.max_query_chars, instruction=c.instruction,
+                                 max_query_chars=c.max_query_chars,
+                                 instruction=c.instruction or SEARCH_R1_INSTRUCTION,
                                  use_chat_template=c.use_chat_template, reward=c.reward,
                                  f1_threshold=c.f1_threshold)
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from trace_lightning.engines import build_engine
-from trace_lightning.environment import SEARCH_R1_INSTRUCTION
 
 
 @dataclass
@@ -84,7 +83,7 @@ class EnvConfig:
         max_seq_tokens: a trajectory's total tokens before it is cut.
         max_query_chars: a search query is cut to this many characters (a retrieval
             server refuses longer ones: ``trace-lightning-retriever --max-query-chars``).
-        instruction: the prompt with ``{question}``.
+        instruction: the prompt with ``{question}``; None: Search-R1's.
         use_chat_template: wrap the prompt in the tokenizer's chat template.
         reward: "em", "f1" or "f1_threshold".
         f1_threshold: threshold of the "f1_threshold" reward.
@@ -95,7 +94,7 @@ class EnvConfig:
     max_obs_tokens: int = 256
     max_seq_tokens: int = 2048
     max_query_chars: int = 2000
-    instruction: str = SEARCH_R1_INSTRUCTION
+    instruction: str | None = None
     use_chat_template: bool = True
     reward: Literal["em", "f1", "f1_threshold"] = "em"
     f1_threshold: float = 0.3
@@ -103,7 +102,7 @@ class EnvConfig:
 
 @dataclass
 class DemoConfig:
-    """The generated demo world (DESIGN.md section 5); prepared once into ``out_dir``.
+    """The generated demo world (``trace_lightning.demo``); prepared once into ``out_dir``.
 
     Args:
         out_dir: where the world, tokenizer and warm-started policy are written.

@@ -10,7 +10,7 @@ depends on what the first one returned::
       search "Draxen"         -> "Draxen is a city of Quinaru."
       answer "Quinaru"
 
-What keeps it honest (DESIGN.md section 5):
+What keeps it honest:
 
 - Names are built from a fixed pool of syllables (:data:`SYLLABLES`) by the seed's RNG, so
   every seed shares one vocabulary (one tokenizer fits all) while its entities and facts
