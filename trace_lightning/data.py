@@ -242,16 +242,14 @@ class TraceDataModule(L.LightningDataModule):
         if corpus is None and self.retriever_url:
             key = self.retriever_url
             if key not in self._retrievers:
-                self._retrievers[key] = self._http_retriever()
+                self._retrievers[key] = HTTPRetriever(self.retriever_url,
+                                                      timeout_s=self.retriever_timeout_s,
+                                                      retries=self.retriever_retries)
         else:
             key = corpus or self.corpus
             if key not in self._retrievers:
                 self._retrievers[key] = BM25Retriever(key)
         return self._retrievers[key]
-
-    def _http_retriever(self) -> HTTPRetriever:
-        return HTTPRetriever(self.retriever_url, timeout_s=self.retriever_timeout_s,
-                             retries=self.retriever_retries)
 
     def _env(self, corpus: str | None, search: bool = True) -> SearchEnvironment:
         """The environment on ``corpus``'s retriever; ``search=False``: prompts only (no
