@@ -459,7 +459,8 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
     """The GPU configs' sharded path on two CPU processes (CPUFSDPStrategy, gloo): the
     policy trains as FSDP shards, each rank's engine gets the gathered weights (checked),
     Lightning writes a sharded checkpoint, ExportPolicy writes the gathered policy on rank 0,
-    and ``trace-lightning-export`` reads the sharded checkpoint into the same weights."""
+    ``trace-lightning-export`` reads the sharded checkpoint into the same weights, and a run
+    resumed from it trains its predictor and policy on."""
     import os
     import subprocess
     import sys
@@ -497,6 +498,16 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
     for name in initial:
         torch.testing.assert_close(exported[name], converted[name], atol=0, rtol=0)
         assert not torch.equal(exported[name], initial[name]), name  # trained: decayed
+
+    # resumed for a second epoch from the sharded checkpoint: the predictor's optimizer
+    # state comes back whole (see TraceModule.predictor_optimizer) and both models step
+    args = demo_args(demo_dir, tmp_path, 2, *args[args.index("--trainer.devices=2"):],
+                     f"--ckpt_path={ckpt}")
+    proc = subprocess.run([str(script), "fit", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = scalars(tmp_path)  # version_1: the resumed epoch's
+    assert resumed["predictor/updates"][-1] > 0 and len(resumed["train/loss"]) == 2
 
 
 def test_two_process_ddp_fit_shares_one_global_budget(demo_dir, tmp_path):

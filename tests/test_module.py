@@ -220,7 +220,6 @@ def test_gradient_norm_is_clipped_in_true_units_under_a_loss_scaler(policy_dir):
         module = TraceModule(policy_path=str(policy_dir), lr=1e-2, max_grad_norm=0.5)
         module.configure_optimizers = lambda: torch.optim.SGD(module.policy.parameters(),
                                                               lr=1e-2)
-        module.optimizers = lambda: [L.LightningModule.optimizers(module)]
         trainer = _fit(module, [batch], **kw)
         return float(trainer.logged_metrics["train/grad_norm"]), module
 
@@ -315,65 +314,6 @@ def test_the_policy_trains_without_dropout(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_resuming_under_bf16_true_restores_the_float32_predictor(policy_dir, tmp_path):
-    """Lightning loads a checkpoint into the module while bf16-true still holds the predictor
-    in bf16; the resumed predictor must be the saved float32 one, not its rounding."""
-    import types
-
-
-    seen = []
-
-    class Receive(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            if trainer.current_epoch == 0:  # one predictor fit, so its weights are not round
-                pl_module.receive_step(types.SimpleNamespace(trees=mixed_trees(), epoch=0))
-            seen.append({k: v.clone() for k, v in pl_module.predictor.state_dict().items()})
-
-    def fit(epochs, ckpt=None):
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                            precision="bf16-true", enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0,
-                            default_root_dir=str(tmp_path), callbacks=[Receive()])
-        module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)
-        trainer.fit(module, train_dataloaders=DataLoader([_minibatch(1)], batch_size=None),
-                    ckpt_path=ckpt)
-        return trainer
-
-    ckpt = fit(1).checkpoint_callback.best_model_path
-    saved = torch.load(ckpt, weights_only=False)["state_dict"]
-    fit(2, ckpt)
-    resumed = seen[-1]
-    assert any(v.dtype == torch.float32 and not torch.equal(v, v.bfloat16().float())
-               for v in resumed.values())  # values bf16 cannot hold: a rounding would show
-    for k, v in resumed.items():
-        torch.testing.assert_close(v, saved[f"predictor.{k}"], atol=0, rtol=0, msg=k)
-
-
-def test_a_resumed_run_takes_its_own_warmup_length(policy_dir, tmp_path):
-    """Two steps with a 3-step warm-up, then resumed with a 10-step one: the third step's lr
-    is 2e-4 * 3/10 (this run's length), not 2e-4 * 3/3 (the checkpoint's)."""
-    lrs = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            lrs.append(float(trainer.callback_metrics["train/lr"]))
-
-    def fit(epochs, warmup, ckpt=None):
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            num_sanity_val_steps=0, default_root_dir=str(tmp_path),
-                            callbacks=[Record()])
-        module = TraceModule(policy_path=str(policy_dir), lr=2e-4, lr_warmup_steps=warmup)
-        trainer.fit(module, train_dataloaders=DataLoader([_minibatch(1), _minibatch(2)],
-                                                         batch_size=None), ckpt_path=ckpt)
-        return trainer
-
-    ckpt = fit(1, warmup=3).checkpoint_callback.best_model_path
-    fit(2, warmup=10, ckpt=ckpt)
-    # steps 0-1 at 1/3 and 2/3 of 2e-4; resumed, steps 2-3 at 3/10 and 4/10 (3/3 and 1 before)
-    assert lrs == pytest.approx([2e-4 / 3, 2e-4 * 2 / 3, 2e-4 * 3 / 10, 2e-4 * 4 / 10])
-
-
 def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
     """A NaN in one micro-batch raises a clear error and leaves every weight unchanged."""
     batch = _minibatch(2, advantage_nan=True)

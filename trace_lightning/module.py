@@ -124,6 +124,8 @@ class TraceModule(L.LightningModule):
         self._last_sync: tuple | None = None  # (engine, probe, policy probe log-probs)
         self._grad_norm = float("nan")  # the policy's, before clipping, of the last step
         self._predictor_restore: dict | None = None  # see on_load_checkpoint
+        self._predictor_opt: torch.optim.Optimizer | None = None  # see predictor_optimizer
+        self._predictor_opt_restore: dict | None = None
 
     # ---- models -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -153,6 +155,7 @@ class TraceModule(L.LightningModule):
             compile_decoder_layers(self.policy)
         dim = self.featuriser.feature_dim(self.policy)
         self.predictor = SuccessPredictor(dim, hidden=self.hparams.predictor_hidden)
+        self._predictor_opt = None
         self.shard_models()
         if self._trainer is not None:  # an unwrapped LightningModule is not moved by FSDP
             self.predictor.to(self.trainer.strategy.root_device)
@@ -175,18 +178,18 @@ class TraceModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         # (after Lightning restored the optimizers and schedulers) a resumed schedule keeps
-        # its step count but takes this run's warm-up length, as history and replay do:
-        # LambdaLR's state dict restores its factor's length too
-        for config in self.trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            factors = getattr(scheduler, "lr_lambdas", [])
-            for factor in factors:
-                if isinstance(factor, LinearWarmup):
-                    factor.steps = self.hparams.lr_warmup_steps
-            for group, base, factor in zip(scheduler.optimizer.param_groups,
-                                           scheduler.base_lrs, factors):
-                if isinstance(factor, LinearWarmup):  # the next step's lr, by this length
-                    group["lr"] = base * factor(scheduler.last_epoch)
+        # its step count but takes this run's lr and warm-up length, as history and replay
+        # do: the checkpoint restores the groups' lr, the base lrs and the factor's length
+        scheduler = self.lr_schedulers()
+        if not (isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
+                and isinstance(scheduler.lr_lambdas[0], LinearWarmup)):
+            return  # a subclass's configure_optimizers without the warm-up
+        warmup = scheduler.lr_lambdas[0]
+        warmup.steps = self.hparams.lr_warmup_steps
+        scheduler.base_lrs = [self.hparams.lr] * len(scheduler.optimizer.param_groups)
+        for group in scheduler.optimizer.param_groups:  # the next step's lr
+            group["initial_lr"] = self.hparams.lr
+            group["lr"] = self.hparams.lr * warmup(scheduler.last_epoch)
 
     def shard_models(self) -> None:
         """Under Lightning's FSDP strategy make the policy (and the reference) FSDP roots of
@@ -208,14 +211,30 @@ class TraceModule(L.LightningModule):
         on_cuda = next(self.policy.parameters()).is_cuda
         policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=h.lr, fused=on_cuda,
                                        weight_decay=h.weight_decay, betas=tuple(h.betas))
-        predictor_opt = torch.optim.AdamW(self.predictor.parameters(), lr=h.predictor_lr)
-        if not h.lr_warmup_steps:
-            return [policy_opt, predictor_opt]
-        # linear warm-up of the policy's lr over its first optimizer steps: Adam's first
-        # updates are sign-like (every weight moves by about lr), which a tiny policy on few
-        # rollouts does not survive at the lr it can use later
+        # linear warm-up of the policy's lr over its first optimizer steps (0: constant lr):
+        # Adam's first updates are sign-like (every weight moves by about lr), which a tiny
+        # policy on few rollouts does not survive at the lr it can use later. The predictor's
+        # optimizer is not Lightning's: see predictor_optimizer.
         warmup = torch.optim.lr_scheduler.LambdaLR(policy_opt, LinearWarmup(h.lr_warmup_steps))
-        return [policy_opt, predictor_opt], [{"scheduler": warmup, "interval": "step"}]
+        return [policy_opt], [{"scheduler": warmup, "interval": "step"}]
+
+    def predictor_optimizer(self) -> torch.optim.Optimizer:
+        """The predictor's AdamW, made on first use (a resumed run's state loaded into it).
+
+        Kept out of Lightning's optimizers, its state travelling in ``checkpoint["trace"]``:
+        the predictor is updated identically on every rank outside any strategy wrapper, and
+        FSDP's sharded checkpoints would restore its state as shards of a model FSDP does not
+        own; a 16-mixed loss scaler would unscale (and step on) gradients it never scaled.
+        """
+        if self._predictor_opt is None:
+            opt = torch.optim.AdamW(self.predictor.parameters(), lr=self.hparams.predictor_lr)
+            if self._predictor_opt_restore is not None:
+                opt.load_state_dict(self._predictor_opt_restore)
+                self._predictor_opt_restore = None
+                for group in opt.param_groups:  # this run's lr, as for the policy
+                    group["lr"] = self.hparams.predictor_lr
+            self._predictor_opt = opt
+        return self._predictor_opt
 
     # ---- called by the DataModule during the rollout phase ------------------------------
     def sync_to_engine(self, engine, probe: list[list[int]], atol: float) -> float:
@@ -252,10 +271,7 @@ class TraceModule(L.LightningModule):
                 PromptHistory.outcomes_of(step.trees, step.epoch), self.trainer))
         gen = torch.Generator().manual_seed(1000 * self.current_epoch + 17)
         h = self.hparams
-        # the raw optimizer: through Lightning's, a 16-mixed loss scaler would unscale (and
-        # update on) gradients it never scaled; the predictor is updated identically on every
-        # rank (all ranks' nodes), outside any strategy wrapper
-        self._predictor_stats = fit_predictor(self.predictor, self.optimizers()[1].optimizer,
+        self._predictor_stats = fit_predictor(self.predictor, self.predictor_optimizer(),
                                               self.replay,
                                               h.predictor_epochs, h.predictor_batch_size,
                                               generator=gen, holdout=h.predictor_holdout)
@@ -264,7 +280,7 @@ class TraceModule(L.LightningModule):
 
     # ---- training -----------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()[0]
+        opt = self.optimizers()
         h = self.hparams
         # the token-mean's divisor: the mini-batch's policy tokens over all ranks / ranks
         # (packing.equalise_over_ranks); one process, or a batch without it: this rank's count
@@ -340,7 +356,7 @@ class TraceModule(L.LightningModule):
         and the clip are in true units (clipping in ``training_step`` would clip the scaled
         gradients, by the loss scale too much). ``max_grad_norm`` 0: the norm is measured,
         not clipped."""
-        if optimizer is not self.optimizers()[0].optimizer:
+        if optimizer is not self.optimizers().optimizer:
             return
         max_norm = self.hparams.max_grad_norm
         self._grad_norm = self.clip_policy_gradients(max_norm if max_norm > 0 else math.inf)
@@ -393,6 +409,8 @@ class TraceModule(L.LightningModule):
         checkpoint["trace"] = {"replay": self.replay.state_dict(),
                                "predictor_nodes_seen": self.predictor_nodes_seen,
                                "predictor_stats": self._predictor_stats,
+                               "predictor_optimizer": (self._predictor_opt.state_dict()
+                                                       if self._predictor_opt is not None else None),
                                "history": (self.history.state_dict()
                                            if self.history is not None else None)}
 
@@ -400,12 +418,15 @@ class TraceModule(L.LightningModule):
         # under "bf16-true" Lightning loads the weights into the predictor while it is still
         # bf16 (rounding them); on_fit_start loads them again once it is float32
         # (FSDP restores after on_fit_start, into the float32 predictor: nothing to redo)
+        # (FSDP's strategy consumes "state_dict" itself when validating: nothing to redo)
         prefix = "predictor."
         if next(self.predictor.parameters()).dtype != torch.float32:
             self._predictor_restore = {k[len(prefix):]: v.clone() for k, v in
-                                       checkpoint["state_dict"].items()
+                                       checkpoint.get("state_dict", {}).items()
                                        if k.startswith(prefix)} or None
         state = checkpoint["trace"]
+        if state.get("predictor_optimizer") is not None:  # loaded on first use
+            self._predictor_opt, self._predictor_opt_restore = None, state["predictor_optimizer"]
         self.replay.load_state_dict(state["replay"])
         self.predictor_nodes_seen = state["predictor_nodes_seen"]
         self._predictor_stats = state["predictor_stats"]
@@ -431,7 +452,8 @@ def compile_decoder_layers(model: PreTrainedModel) -> int:
 
 
 class LinearWarmup:
-    """``LambdaLR`` factor of optimizer step ``s`` (0-based): ``min(1, (s + 1) / steps)``.
+    """``LambdaLR`` factor of optimizer step ``s`` (0-based): ``min(1, (s + 1) / steps)``;
+    ``steps`` 0: always 1 (no warm-up).
 
     A class, not a lambda, so the scheduler's state dict (checkpoints) carries it."""
 
@@ -439,7 +461,7 @@ class LinearWarmup:
         self.steps = steps
 
     def __call__(self, step: int) -> float:
-        return min(1.0, (step + 1) / self.steps)
+        return min(1.0, (step + 1) / max(self.steps, 1))
 
 
 def _all_gather_list(items: list, trainer) -> list:
