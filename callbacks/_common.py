@@ -45,9 +45,9 @@ class RolloutData(Protocol):
     timings: dict[str, float]
 
 
-def check_datamodule(trainer: pl.Trainer, who: str) -> RolloutData:
-    """The trainer's datamodule, or a ValueError that says what to configure."""
-    dm = trainer.datamodule
+def check_datamodule(dm: Any, who: str) -> RolloutData:
+    """``dm`` (the trainer's datamodule) as rollout data, or a ValueError that says what to
+    configure."""
     if not isinstance(dm, RolloutData):
         got = "no datamodule" if dm is None else f"{type(dm).__name__}"
         raise ValueError(
@@ -58,15 +58,38 @@ def check_datamodule(trainer: pl.Trainer, who: str) -> RolloutData:
     return dm
 
 
-def check_logger(trainer: pl.Trainer, who: str, tensorboard: bool, what: str = "") -> None:
-    """Raise unless the trainer has a logger (a ``TensorBoardLogger`` when ``tensorboard``)."""
-    if tensorboard and tensorboard_logger(trainer) is None:
+def check_logger(trainer: pl.Trainer, who: str, tensorboard_for: str = "") -> None:
+    """Raise unless the trainer has a logger (a ``TensorBoardLogger`` when ``tensorboard_for``
+    names what the callback writes that needs one)."""
+    if tensorboard_for and tensorboard_logger(trainer) is None:
         got = ", ".join(type(lg).__name__ for lg in trainer.loggers) or "no logger"
-        raise ValueError(f"callbacks.{who} writes {what or 'images and histograms'} that need a "
+        raise ValueError(f"callbacks.{who} writes {tensorboard_for} that need a "
                          f"TensorBoardLogger, but the trainer has {got}; {_TB_HINT}")
     if not trainer.loggers:
         raise ValueError(f"callbacks.{who} logs metrics but the trainer has no logger "
                          f"(`trainer.logger: false`); {_TB_HINT}")
+
+
+class RolloutCallback(pl.Callback):
+    """A callback that logs what the datamodule's rollout steps hold.
+
+    ``check`` raises when its trainer lacks what it needs (a rollout datamodule, a logger):
+    at ``setup``, and from ``trace-lightning fit`` before any data is prepared (Lightning
+    runs the datamodule's ``prepare_data`` and ``setup`` before the callbacks' ``setup``).
+    """
+
+    def tensorboard_for(self) -> str:
+        """What it writes that needs a ``TensorBoardLogger``; "" when it logs scalars only."""
+        return ""
+
+    def check(self, trainer: pl.Trainer, datamodule: Any) -> None:
+        who = type(self).__name__
+        check_datamodule(datamodule, who)
+        check_logger(trainer, who, self.tensorboard_for())
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.check(trainer, trainer.datamodule)
 
 
 def tensorboard_logger(trainer: pl.Trainer) -> TensorBoardLogger | None:
@@ -128,7 +151,7 @@ def epoch_summary(trainer: pl.Trainer, who: str) -> StepSummary | None:
 
     A collective under several processes: every rank calls it in the same hook.
     """
-    step = current_step(trainer, check_datamodule(trainer, who), who)
+    step = current_step(trainer, check_datamodule(trainer.datamodule, who), who)
     parts = gather(trainer, summarize_step(step) if step is not None else None)
     parts = [p for p in parts if p is not None]
     return merge_summaries(parts) if parts else None

@@ -13,12 +13,12 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import numpy as np
 
-from callbacks._common import (check_datamodule, check_logger, epoch_summary, log_scalars,
-                               log_step, tensorboard_logger)
+from callbacks._common import (RolloutCallback, epoch_summary, log_scalars, log_step,
+                               tensorboard_logger)
 from callbacks._stats import allocation_metrics, integer_bins
 
 
-class AllocationSpread(pl.Callback):
+class AllocationSpread(RolloutCallback):
     """How each epoch's sampling budget was spread (``alloc/*``), logged at epoch start.
 
     Args:
@@ -33,11 +33,10 @@ class AllocationSpread(pl.Callback):
         self.every_n_epochs = every_n_epochs
         self.last_metrics: dict[str, float] = {}
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            check_datamodule(trainer, "AllocationSpread")
-            check_logger(trainer, "AllocationSpread", tensorboard=self.histograms,
-                         what="histograms (set `histograms: false` to log scalars only)")
+    def tensorboard_for(self) -> str:
+        if not self.histograms:
+            return ""
+        return "histograms (set `histograms: false` to log scalars only)"
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch % self.every_n_epochs:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import numpy as np
 
-from callbacks._common import (check_datamodule, check_logger, current_step, figure_to_chw,
-                               gather, log_scalars, log_step, tensorboard_logger)
+from callbacks._common import (RolloutCallback, check_datamodule, current_step,
+                               figure_to_chw, gather, log_scalars, log_step,
+                               tensorboard_logger)
 from callbacks._stats import CalibrationPoints, calibration_metrics, calibration_points
 from trace_lightning.calibration import reliability_curve
 
 
-class PredictorCalibration(pl.Callback):
+class PredictorCalibration(RolloutCallback):
     """Calibration of the success predictor on each epoch's trees, logged at epoch start.
 
     Args:
@@ -45,18 +46,15 @@ class PredictorCalibration(pl.Callback):
         self.every_n_epochs = every_n_epochs
         self.last_metrics: dict[str, float] = {}
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            check_datamodule(trainer, "PredictorCalibration")
-            check_logger(trainer, "PredictorCalibration", tensorboard=self.diagram,
-                         what="the reliability diagram as an image (set `diagram: false` to "
-                              "log scalars only)")
+    def tensorboard_for(self) -> str:
+        return ("the reliability diagram as an image (set `diagram: false` to log scalars "
+                "only)" if self.diagram else "")
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch % self.every_n_epochs:
             return
-        step = current_step(trainer, check_datamodule(trainer, "PredictorCalibration"),
-                            "PredictorCalibration")
+        dm = check_datamodule(trainer.datamodule, "PredictorCalibration")
+        step = current_step(trainer, dm, "PredictorCalibration")
         pts = CalibrationPoints()
         for part in gather(trainer, calibration_points(step.trees) if step is not None else None):
             if part is not None:

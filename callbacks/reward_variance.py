@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from callbacks._common import check_datamodule, check_logger, epoch_summary, log_scalars
+from callbacks._common import RolloutCallback, epoch_summary, log_scalars
 from callbacks._stats import reward_variance_metrics
 
 
-class RewardVariance(pl.Callback):
+class RewardVariance(RolloutCallback):
     """Reward contrast of each epoch's rollout trees (``rollout/*``), logged at epoch start.
 
     Args:
@@ -28,11 +28,6 @@ class RewardVariance(pl.Callback):
             raise ValueError(f"RewardVariance every_n_epochs ({every_n_epochs}) must be >= 1")
         self.every_n_epochs = every_n_epochs
         self.last_metrics: dict[str, float] = {}
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            check_datamodule(trainer, "RewardVariance")
-            check_logger(trainer, "RewardVariance", tensorboard=False)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch % self.every_n_epochs:

@@ -33,14 +33,14 @@ import lightning.pytorch as pl
 import psutil
 import torch
 
-from callbacks._common import (check_datamodule, check_logger, epoch_summary, gather,
+from callbacks._common import (RolloutCallback, check_datamodule, epoch_summary, gather,
                                log_scalars)
 from callbacks._stats import ratio
 
 GB = 2.0 ** 30
 
 
-class Throughput(pl.Callback):
+class Throughput(RolloutCallback):
     """Rollout and training speed, time split, weight-sync error and memory (``perf/*``).
 
     Args:
@@ -60,8 +60,7 @@ class Throughput(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            check_datamodule(trainer, "Throughput")
-            check_logger(trainer, "Throughput", tensorboard=False)
+            self.check(trainer, trainer.datamodule)
             self._last_epoch_end = time.perf_counter()
 
     def _due(self, trainer: pl.Trainer) -> bool:
@@ -72,7 +71,7 @@ class Throughput(pl.Callback):
         self._epoch_tokens = None
         if not self._due(trainer):
             return
-        dm = check_datamodule(trainer, "Throughput")
+        dm = check_datamodule(trainer.datamodule, "Throughput")
         summary = epoch_summary(trainer, "Throughput")
         sync_diffs = [d for d in gather(trainer, dm.sync_diff) if d is not None]
         sync_s = [s for s in gather(trainer, dm.timings.get("sync")) if s is not None]

@@ -19,12 +19,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 
-from callbacks._common import (check_datamodule, check_logger, current_step, figure_to_chw,
-                               log_step, tensorboard_logger)
+from callbacks._common import (RolloutCallback, check_datamodule, current_step,
+                               figure_to_chw, log_step, tensorboard_logger)
 from trace_lightning.tree import RolloutTree, write_jsonl
 
 
-class TreeSamples(pl.Callback):
+class TreeSamples(RolloutCallback):
     """A few rollout trees per epoch as text and a picture (``samples/*``).
 
     Args:
@@ -46,16 +46,15 @@ class TreeSamples(pl.Callback):
         self.jsonl = jsonl
         self.every_n_epochs = every_n_epochs
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            check_datamodule(trainer, "TreeSamples")
-            check_logger(trainer, "TreeSamples", tensorboard=True, what="text and images")
+    def tensorboard_for(self) -> str:
+        return "text and images"
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
         if epoch % self.every_n_epochs:
             return
-        step = current_step(trainer, check_datamodule(trainer, "TreeSamples"), "TreeSamples")
+        dm = check_datamodule(trainer.datamodule, "TreeSamples")
+        step = current_step(trainer, dm, "TreeSamples")
         if self.jsonl:
             log_dir = trainer.log_dir  # a broadcast: every rank asks
             if step is not None and log_dir is not None:

@@ -306,6 +306,27 @@ def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message,
     assert not (tmp_path / "tensorboard").exists()  # nothing ran
 
 
+@pytest.mark.parametrize("logger, message", [
+    ("false", "callbacks.RewardVariance logs metrics but the trainer has no logger"),
+    ("lightning.pytorch.loggers.CSVLogger",
+     "callbacks.AllocationSpread writes histograms (set `histograms: false`"),
+])
+def test_a_callback_without_its_logger_fails_before_the_demo_is_built(tmp_path, logger,
+                                                                      message):
+    """Lightning calls the callbacks' setup after the datamodule's prepare_data (minutes of
+    demo world and warm start here): ``trace-lightning fit`` checks them first."""
+    demo = tmp_path / "demo"
+    args = ["fit", "--config", str(REPO / "configs" / "demo.yaml"),
+            f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger={logger}",
+            f"--data.demo.out_dir={demo}"]
+    if logger != "false":
+        args.append(f"--trainer.logger.init_args.save_dir={tmp_path}")
+    with pytest.raises(ValueError) as err:
+        main(args)
+    assert message in str(err.value) and "trainer.logger" in str(err.value)
+    assert not demo.exists()
+
+
 def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_data, demo_dir):
     """Before any engine starts: a training file with fewer questions than a step needs
     names --data.train (not candidates_per_step, which was not the problem); a validation set

@@ -26,6 +26,7 @@ from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
+from callbacks._common import RolloutCallback  # noqa: E402
 from trace_lightning.data import TraceDataModule  # noqa: E402
 from trace_lightning.module import TraceModule  # noqa: E402
 
@@ -39,6 +40,11 @@ class TraceCLI(LightningCLI):
         parser.link_arguments("model.advantage", "data.advantage")
 
     def before_fit(self) -> None:
+        # the callbacks' own setup checks would run only after the datamodule's prepare_data
+        # and setup (a demo world, a retrieval index, an engine): say what is missing first
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RolloutCallback):
+                callback.check(self.trainer, self.datamodule)
         self._resolve_last_checkpoint(required=False)
 
     def before_validate(self) -> None:

@@ -409,8 +409,8 @@ class TraceModule(L.LightningModule):
         checkpoint["trace"] = {"replay": self.replay.state_dict(),
                                "predictor_nodes_seen": self.predictor_nodes_seen,
                                "predictor_stats": self._predictor_stats,
-                               "predictor_optimizer": (self._predictor_opt.state_dict()
-                                                       if self._predictor_opt is not None else None),
+                               "predictor_optimizer": (None if self._predictor_opt is None
+                                                       else self._predictor_opt.state_dict()),
                                "history": (self.history.state_dict()
                                            if self.history is not None else None)}
 
