@@ -221,6 +221,28 @@ def _demo_kwargs(**over) -> dict:
                 **SIZES) | over
 
 
+def test_prepare_demo_waits_for_another_builder_then_finds_it_built(tmp_path):
+    """A second builder of the same out_dir (two runs, or a node each on a shared disk)
+    waits on the lock and builds nothing: here the lock is held while one thread prepares."""
+    import fcntl
+    import threading
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    done = []
+    with open(out / ".prepare.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: done.append(prepare_demo(out, **_demo_kwargs(
+            warm_start_steps=0))))
+        worker.start()
+        worker.join(timeout=3)
+        assert worker.is_alive()  # waiting
+        assert sorted(p.name for p in out.iterdir()) == [".prepare.lock"]  # nothing written
+        fcntl.flock(held, fcntl.LOCK_UN)
+    worker.join(timeout=120)
+    assert done and json.loads(done[0].manifest.read_text())["settings"]["warm_start_steps"] == 0
+
+
 def test_prepare_demo_rejects_the_training_seed_as_eval_seed(tmp_path):
     # Same seed, same world: the held-out questions would be the first training questions.
     with pytest.raises(ValueError, match=r"eval_seed \(3\) equals seed \(3\) "
@@ -280,6 +302,6 @@ def test_prepare_demo_rebuild_keeps_the_old_world_until_the_new_one_is_complete(
     assert json.loads(paths.manifest.read_text())["settings"]["seed"] == 5
     assert paths.train_qa.read_bytes() != before[paths.train_qa]
     assert sorted(p.name for p in paths.root.iterdir()) == [
-        "eval_corpus.jsonl", "eval_qa.jsonl", "manifest.json", "model", "train_corpus.jsonl",
-        "train_qa.jsonl"]
+        ".prepare.lock", "eval_corpus.jsonl", "eval_qa.jsonl", "manifest.json", "model",
+        "train_corpus.jsonl", "train_qa.jsonl"]
     AutoModelForCausalLM.from_pretrained(paths.model)

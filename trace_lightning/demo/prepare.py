@@ -24,11 +24,13 @@ old world complete; one during the swap leaves no manifest, so the next call reb
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -202,51 +204,69 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
                 "warm_questions": warm_questions,
                 "topk": topk, "use_chat_template": use_chat_template,
                 "instruction": DEMO_INSTRUCTION}
-    if not force and _matches(paths, settings):
-        log.info("demo in %s is up to date", paths.root)
-        return paths
-    start = time.perf_counter()
     paths.root.mkdir(parents=True, exist_ok=True)
-    sizes = {"n_people": n_people, "n_cities": n_cities, "n_countries": n_countries,
-             "n_companies": n_companies, "namesakes": namesakes}
-    train = generate_world(seed, n_questions=n_questions, **sizes)
-    warm = ([generate_world(s, n_questions=warm_questions, **sizes) for s in warm_seeds]
-            if warm_start_steps > 0 else [])
-    held_out = held_out_world(eval_seed, n_eval_questions, [train, *warm], **sizes)
+    # one builder at a time (two runs started on one out_dir, or one per node on a shared
+    # disk): the others wait, then find it up to date
+    with _exclusive(paths.root / ".prepare.lock"):
+        if not force and _matches(paths, settings):
+            log.info("demo in %s is up to date", paths.root)
+            return paths
+        start = time.perf_counter()
+        sizes = {"n_people": n_people, "n_cities": n_cities, "n_countries": n_countries,
+                 "n_companies": n_companies, "namesakes": namesakes}
+        train = generate_world(seed, n_questions=n_questions, **sizes)
+        warm = ([generate_world(s, n_questions=warm_questions, **sizes) for s in warm_seeds]
+                if warm_start_steps > 0 else [])
+        held_out = held_out_world(eval_seed, n_eval_questions, [train, *warm], **sizes)
 
-    texts = vocabulary_text(**sizes) + [DEMO_INSTRUCTION.format(question=q["question"])
-                                        for q in train.questions[:50]]
-    tokenizer = train_tokenizer(texts, vocab_size, AGENT_TAGS)
-    staging = paths.model.with_name(paths.model.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_model(tokenizer, staging, seed=model_seed, **model_cfg)
-    stats: dict = {}
-    if warm_start_steps > 0:
-        env = demo_env(tokenizer, warm[0], topk=topk, use_chat_template=use_chat_template)
-        stats = warm_start(staging, warm, env, steps=warm_start_steps,
-                           batch_size=warm_start_batch, lr=warm_start_lr,
-                           noise=warm_start_noise,
-                           context_weight=warm_start_context_weight,
-                           stop_loss=warm_start_stop_loss, seed=model_seed,
-                           num_threads=warm_start_threads)
-        stats["final_loss"] = sum(stats["losses"][-20:]) / len(stats["losses"][-20:])
-        del stats["losses"]
-    result = {"settings": settings, "warm_start": stats,
-              "seconds": round(time.perf_counter() - start, 1),
-              "files": {k: str(v.relative_to(paths.root)) for k, v in asdict(paths).items()
-                        if k not in ("root", "manifest")}}
-    # The swap: without a manifest, a world caught half swapped is never taken as complete.
-    paths.manifest.unlink(missing_ok=True)
-    _write_jsonl(train.documents, paths.train_corpus)
-    _write_jsonl(_qa_records(train), paths.train_qa)
-    _write_jsonl(held_out.documents, paths.eval_corpus)
-    _write_jsonl(_qa_records(held_out), paths.eval_qa)
-    _replace_dir(staging, paths.model)
-    tmp = paths.manifest.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(paths.manifest)
-    log.info("prepared the demo in %s (%.0f s)", paths.root, result["seconds"])
-    return paths
+        texts = vocabulary_text(**sizes) + [DEMO_INSTRUCTION.format(question=q["question"])
+                                            for q in train.questions[:50]]
+        tokenizer = train_tokenizer(texts, vocab_size, AGENT_TAGS)
+        staging = paths.model.with_name(paths.model.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        build_tiny_model(tokenizer, staging, seed=model_seed, **model_cfg)
+        stats: dict = {}
+        if warm_start_steps > 0:
+            env = demo_env(tokenizer, warm[0], topk=topk, use_chat_template=use_chat_template)
+            stats = warm_start(staging, warm, env, steps=warm_start_steps,
+                               batch_size=warm_start_batch, lr=warm_start_lr,
+                               noise=warm_start_noise,
+                               context_weight=warm_start_context_weight,
+                               stop_loss=warm_start_stop_loss, seed=model_seed,
+                               num_threads=warm_start_threads)
+            stats["final_loss"] = sum(stats["losses"][-20:]) / len(stats["losses"][-20:])
+            del stats["losses"]
+        result = {"settings": settings, "warm_start": stats,
+                  "seconds": round(time.perf_counter() - start, 1),
+                  "files": {k: str(v.relative_to(paths.root)) for k, v in asdict(paths).items()
+                            if k not in ("root", "manifest")}}
+        # The swap: without a manifest, a world caught half swapped is never taken as complete.
+        paths.manifest.unlink(missing_ok=True)
+        _write_jsonl(train.documents, paths.train_corpus)
+        _write_jsonl(_qa_records(train), paths.train_qa)
+        _write_jsonl(held_out.documents, paths.eval_corpus)
+        _write_jsonl(_qa_records(held_out), paths.eval_qa)
+        _replace_dir(staging, paths.model)
+        tmp = paths.manifest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(paths.manifest)
+        log.info("prepared the demo in %s (%.0f s)", paths.root, result["seconds"])
+        return paths
+
+
+@contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock`` (created), waiting for another holder."""
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building the demo in %s: waiting for it", lock.parent)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _matches(paths: DemoPaths, settings: dict) -> bool:
