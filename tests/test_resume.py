@@ -18,6 +18,18 @@ from trace_lightning.module import TraceModule
 from trace_lightning.strategies import CPUFSDPStrategy
 
 
+def _fit(root, module: TraceModule, epochs: int, callback: L.Callback, ckpt=None,
+         batches: int = 1, **trainer_kw) -> L.Trainer:
+    """A real Trainer, ``batches`` mini-batches an epoch, resumed from ``ckpt`` if given."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, default_root_dir=str(root),
+                        callbacks=[callback], **trainer_kw)
+    data = DataLoader([_minibatch(i + 1) for i in range(batches)], batch_size=None)
+    trainer.fit(module, train_dataloaders=data, ckpt_path=ckpt)
+    return trainer
+
+
 def test_resuming_under_bf16_true_restores_the_float32_predictor(policy_dir, tmp_path):
     """Lightning loads a checkpoint into the module while bf16-true still holds the predictor
     in bf16; the resumed predictor must be the saved float32 one, not its rounding."""
@@ -30,14 +42,8 @@ def test_resuming_under_bf16_true_restores_the_float32_predictor(policy_dir, tmp
             seen.append({k: v.clone() for k, v in pl_module.predictor.state_dict().items()})
 
     def fit(epochs, ckpt=None):
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                            precision="bf16-true", enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0,
-                            default_root_dir=str(tmp_path), callbacks=[Receive()])
         module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)
-        trainer.fit(module, train_dataloaders=DataLoader([_minibatch(1)], batch_size=None),
-                    ckpt_path=ckpt)
-        return trainer
+        return _fit(tmp_path, module, epochs, Receive(), ckpt, precision="bf16-true")
 
     ckpt = fit(1).checkpoint_callback.best_model_path
     saved = torch.load(ckpt, weights_only=False)["state_dict"]
@@ -64,14 +70,8 @@ def test_a_resumed_run_takes_its_own_lr_and_warmup_length(policy_dir, tmp_path, 
             lrs.append(float(trainer.callback_metrics["train/lr"]))
 
     def fit(epochs, warmup, lr, ckpt=None):
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            num_sanity_val_steps=0, default_root_dir=str(tmp_path),
-                            callbacks=[Record()])
         module = TraceModule(policy_path=str(policy_dir), lr=lr, lr_warmup_steps=warmup)
-        trainer.fit(module, train_dataloaders=DataLoader([_minibatch(1), _minibatch(2)],
-                                                         batch_size=None), ckpt_path=ckpt)
-        return trainer
+        return _fit(tmp_path, module, epochs, Record(), ckpt, batches=2)
 
     ckpt = fit(1, warmup=3, lr=2e-4).checkpoint_callback.best_model_path
     fit(2, warmup=warmup, lr=lr, ckpt=ckpt)
@@ -109,14 +109,8 @@ def test_resuming_under_fsdp_restores_the_predictors_own_optimizer(policy_dir, t
             updates.append(pl_module._predictor_stats["predictor/updates"])
 
     def fit(epochs, ckpt=None):
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                            strategy=_fsdp(state_dict_type), enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0,
-                            default_root_dir=str(tmp_path), callbacks=[Receive()])
         module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)
-        trainer.fit(module, train_dataloaders=DataLoader([_minibatch(1)], batch_size=None),
-                    ckpt_path=ckpt)
-        return trainer
+        return _fit(tmp_path, module, epochs, Receive(), ckpt, strategy=_fsdp(state_dict_type))
 
     ckpt = fit(1).checkpoint_callback.best_model_path
     meta = f"{ckpt}/meta.pt" if state_dict_type == "sharded" else ckpt
@@ -137,11 +131,8 @@ def test_validate_from_a_checkpoint_under_fsdp_and_bf16_true(policy_dir, tmp_pat
     """``validate --ckpt_path`` under FSDP with bf16-true: FSDP's strategy loads the weights
     itself (the checkpoint reaches on_load_checkpoint without "state_dict"); the validated
     predictor is the saved one, in the run's bf16."""
-    fit = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                    strategy=_fsdp(), enable_progress_bar=False, enable_model_summary=False,
-                    num_sanity_val_steps=0, default_root_dir=str(tmp_path))
-    fit.fit(TraceModule(policy_path=str(policy_dir), lr=1e-4),
-            train_dataloaders=DataLoader([_minibatch(1)], batch_size=None))
+    fit = _fit(tmp_path, TraceModule(policy_path=str(policy_dir), lr=1e-4), 1, L.Callback(),
+               strategy=_fsdp())
     ckpt = fit.checkpoint_callback.best_model_path
     saved = torch.load(ckpt, weights_only=False)["state_dict"]
 
