@@ -334,6 +334,26 @@ def test_value_table_solver_matches_brute_force():
                                        rtol=1e-9, atol=1e-12)
 
 
+def test_a_prompt_cap_that_cannot_bind_costs_no_memory():
+    """With exploration, plan_roots caps the prompts at the candidates not explored (506 of
+    512 here), above the 232 that 464 rollouts can ever open (2 each): the solver must not
+    keep a prompts-opened dimension for it. Its choice table would be 512 x 507 x 465 int16,
+    241 MB (15 GB at 2,048 candidates); without it, 0.5 MB."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    v, counts = rng.random(512).tolist(), [3.0] * 512
+    uncapped = solve_roots(v, 464, 16, counts=counts)
+    tracemalloc.start()
+    try:
+        capped = solve_roots(v, 464, 16, max_prompts=506, counts=counts)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert capped == uncapped
+    assert peak < 20e6, peak
+
+
 def test_value_table_solver_at_scale_and_bad_counts():
     rng = np.random.default_rng(0)
     v = rng.random(512).tolist()

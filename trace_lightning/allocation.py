@@ -274,7 +274,9 @@ def solve_root_values(values: np.ndarray, budget: int,
     if spend == 0:
         return [0] * n
     k_cap = n if max_prompts is None else min(n, max_prompts)
-    rows = k_cap + 1 if k_cap < n else 1  # track the prompts opened only when capped
+    # track the prompts opened only when the cap can bind: an opened prompt takes at least 2
+    # rollouts, so at most spend // 2 open (a cap above that only costs K+1 times the memory)
+    rows = k_cap + 1 if k_cap < min(n, spend // 2) else 1
     dp = np.full((rows, spend + 1), -np.inf)  # (K+1 or 1, S+1) best value so far
     dp[0, 0] = 0.0
     choice = np.zeros((n, rows, spend + 1), dtype=np.int16)  # (n, K+1 or 1, S+1)
