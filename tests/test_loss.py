@@ -116,6 +116,22 @@ def test_kl_term_by_hand():
         policy_loss(logp, old, adv, mask, kl_coef=0.1)
 
 
+def test_a_normalizer_below_one_is_used_as_given():
+    """Over W ranks the divisor is the mini-batch's policy tokens over all ranks / W: one
+    token on 2 ranks gives 0.5, and the rank holding it must contribute -A / 0.5 = -2 (DDP's
+    mean over the 2 ranks then makes it the token mean, -1), not -A / 1."""
+    logp = torch.zeros(1, 2, requires_grad=True)  # (1, 2): ratio 1
+    adv = torch.tensor([[1.0, 0.0]])  # (1, 2)
+    mask = torch.tensor([[1.0, 0.0]])  # (1, 2): one policy token
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, normalizer=0.5)
+    assert loss.item() == pytest.approx(-2.0)
+    loss.backward()
+    assert logp.grad[0, 0].item() == pytest.approx(-2.0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"normalizer \(.*\) must be > 0"):
+            policy_loss(logp, logp.detach(), adv, mask, normalizer=bad)
+
+
 def test_seq_mean_token_mean_by_hand():
     # Seq 0: 1 token with pg -1; seq 1: 3 tokens with pg -2 each (ratio 1, A = 2).
     # token_mean: (-1 - 6) / 4 = -1.75; seq_mean_token_mean: (-1 + -2) / 2 = -1.5.

@@ -267,6 +267,18 @@ def test_a_mini_batch_without_policy_tokens_does_not_move_the_weights(policy_dir
     assert trainer.global_step == 1
 
 
+def test_a_normalizer_below_one_divides_the_loss(policy_dir):
+    """A mini-batch with fewer policy tokens over all ranks than ranks has a normalizer
+    below 1 (equalise_over_ranks: tokens / ranks); the loss is divided by it as given, so
+    after the ranks' gradient mean it is the token mean, as on one process."""
+    def first_loss(normalizer):
+        module = TraceModule(policy_path=str(policy_dir), lr=1e-3)
+        trainer = _fit(module, [{**_minibatch(7), "normalizer": normalizer}])
+        return float(trainer.logged_metrics["train/loss"])
+
+    assert first_loss(0.5) == pytest.approx(2 * first_loss(1.0), rel=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-true"])
 def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):

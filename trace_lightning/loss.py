@@ -246,9 +246,10 @@ def _agg(values: torch.Tensor, mask: torch.Tensor, loss_agg: str,
         denom = (per_seq_tokens > 0).sum() if normalizer is None else normalizer
     else:
         raise ValueError(f"loss_agg {loss_agg!r} is unknown; expected one of {LOSS_AGGS}")
-    if not isinstance(denom, torch.Tensor):
-        denom = torch.tensor(float(denom), device=values.device, dtype=values.dtype)
-    return total / denom.to(values.dtype).clamp(min=1.0)
+    if normalizer is None:  # an empty batch: a zero loss, not 0 / 0
+        return total / denom.to(values.dtype).clamp(min=1.0)
+    # as given, even below 1: over several ranks it is the count over all ranks / ranks
+    return total / normalizer
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -269,7 +270,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         ref_logprobs: ``(B, T)`` reference log-probs, for the KL term (``None``: no KL).
         kl_coef: weight of the k3 KL term (needs ``ref_logprobs`` when > 0).
         loss_agg: ``token_mean`` or ``seq_mean_token_mean``.
-        normalizer: the mini-batch's token (or sequence) count when this is one micro-batch;
+        normalizer: the mini-batch's token (or sequence) count when this is one micro-batch
+            (> 0; over several ranks that count over all ranks / ranks, which may be below 1);
             ``None`` normalises by this batch's own count.
         entropy: ``(B, T)`` per-token entropy, only reported in the stats.
         dual_clip: cap of ``-A ratio`` for ``A < 0`` at ``-A dual_clip`` (> 1; ``None``: off).
@@ -286,6 +288,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                          f"model's log-probs or set kl_coef to 0")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip ({dual_clip}) must be > 1 (verl's default is 3.0) or None")
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer ({normalizer}) must be > 0 (the mini-batch's count) or "
+                         f"None (this batch's own count)")
     valid = mask.bool()  # (B, T)
     m = valid.to(logprobs.dtype)  # (B, T)
     n_tokens = m.sum().clamp(min=1.0)  # ()

@@ -288,7 +288,7 @@ class TraceModule(L.LightningModule):
         # no policy token on any rank (filler micro-batches only: a step with fewer leaves
         # than mini-batches): no update, which Adam's moments and weight decay would still make
         empty = normalizer == 0.0  # the same on every rank
-        normalizer = max(normalizer, 1.0)
+        normalizer = normalizer if normalizer > 0 else 1.0  # below 1 too: see equalise_over_ranks
         # Statistics stay on the device until the mini-batch ends (then one sync, and one for
         # the gradient norm): a float() per micro-batch would wait for the GPU each time and
         # leave it idle while the next one is queued.
