@@ -297,6 +297,10 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     ("--data.retriever_timeout_s=0", "--data.retriever_timeout_s (0.0) must be > 0"),
     ("--data.oracle_samples=0", "--data.oracle_samples (0) must be >= 1"),
     ("--model.dual_clip=0.5", "--model.dual_clip (0.5) must be > 1"),
+    ("--model.predictor_holdout=1.0", "--model.predictor_holdout (1.0) must be in [0, 1)"),
+    ("--model.kl_coef=-0.5", "--model.kl_coef (-0.5) must be >= 0"),
+    ("--model.replay_steps=0", "--model.replay_steps (0) must be >= 1"),
+    ("--model.dtype=bf16", "--model.dtype ('bf16') must be 'float32', 'bfloat16' or"),
 ])
 def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message, capsys):
     with pytest.raises((SystemExit, ValueError)) as err:

@@ -102,9 +102,23 @@ class TraceModule(L.LightningModule):
         if advantage not in ("tree_grpo", "treepo", "segment", "grpo"):
             raise ValueError(f"--model.advantage ({advantage!r}): expected one of 'tree_grpo', "
                              f"'treepo', 'segment', 'grpo'")
-        if lr_warmup_steps < 0:
-            raise ValueError(f"--model.lr_warmup_steps ({lr_warmup_steps}) must be >= 0 "
-                             f"(0: no warm-up)")
+        for flag, value, ok, rule in (
+                ("lr", lr, lr > 0, "> 0"),
+                ("lr_warmup_steps", lr_warmup_steps, lr_warmup_steps >= 0, ">= 0 (0: no warm-up)"),
+                ("max_grad_norm", max_grad_norm, max_grad_norm >= 0, ">= 0 (0: measure only)"),
+                ("kl_coef", kl_coef, kl_coef >= 0, ">= 0 (0: no KL term, no reference model)"),
+                ("predictor_lr", predictor_lr, predictor_lr > 0, "> 0"),
+                ("predictor_epochs", predictor_epochs, predictor_epochs >= 0, ">= 0"),
+                ("predictor_batch_size", predictor_batch_size, predictor_batch_size >= 1, ">= 1"),
+                ("predictor_holdout", predictor_holdout, 0 <= predictor_holdout < 1,
+                 "in [0, 1) (0: no early stopping)"),
+                ("replay_steps", replay_steps, replay_steps >= 1, ">= 1 (1: this step only)")):
+            if not ok:
+                raise ValueError(f"--model.{flag} ({value}) must be {rule}")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--model.dtype ({dtype!r}) must be 'float32', 'bfloat16' or "
+                             f"'float16' (the weights' dtype; mixed precision is "
+                             f"--trainer.precision)")
         if not 0 <= clip_low < 1 or clip_high < 0:
             raise ValueError(f"--model.clip_low ({clip_low}) must be in [0, 1) and "
                              f"--model.clip_high ({clip_high}) >= 0")
