@@ -312,6 +312,13 @@ class Allocator:
         added. Each tree's budget is ``N`` times its number of bare rollouts. Kinds without
         branching return an empty plan.
 
+        The pool of budget a tree cannot use is over ``trees``: under several processes each
+        rank plans its own share of the prompts, so a rank whose prompts have no prefix left
+        to take it spends it as extra bare rollouts (``collect_step``) even when another
+        rank's prefixes could. The leaves per step stay the same; where the leftover goes
+        depends on how the prompts fall on the ranks (a shared pool would make every rank
+        wait for all ranks' bare rollouts).
+
         Args:
             trees: the opened prompts' trees (keys of the result index this list).
             cold_start: the root plan's ``cold_start`` (``trace`` then branches at random).
