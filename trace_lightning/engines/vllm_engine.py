@@ -39,6 +39,14 @@ Facts about the installed vLLM (0.32, checked in its source and measured here):
 - ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in this process, so weights
   reach the worker as tensors, without serialisation; this module sets it unless the
   environment already does.
+- One engine per rank on GPUs. vLLM's default single-process executor takes its device
+  index from ``DeviceConfig.device``, which is plain ``"cuda"``, so every rank's engine
+  would start on ``cuda:0`` (``v1/executor/uniproc_executor.py``) and move the process's
+  current device there. Under several processes on CUDA the engine uses vLLM's
+  ``external_launcher`` executor instead, as verl and TRL's colocated mode do: it reads
+  ``RANK`` and ``LOCAL_RANK`` (set here from the process group and the current device when
+  the launcher did not) and joins the existing process group. Written from vLLM's source;
+  not yet run on a multi-GPU node (this project's GPU checks have one GPU).
 """
 
 from __future__ import annotations
@@ -95,6 +103,23 @@ def _without_unscannable_modules():
         yield
     finally:
         sys.modules.update(hidden)
+
+
+def executor_backend(on_cpu: bool, tensor_parallel_size: int) -> str | None:
+    """vLLM's ``distributed_executor_backend`` for this process: ``"external_launcher"`` when
+    it is one of several ranks on GPUs (the engine on this rank's GPU; see the module
+    docstring), else None (vLLM's default)."""
+    import torch.distributed as dist
+
+    if on_cpu or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if tensor_parallel_size != 1:
+        raise ValueError(f"--data.engine.tensor_parallel_size ({tensor_parallel_size}) must be "
+                         f"1 under several processes: each rank runs its own engine on its own "
+                         f"GPU over its own prompts")
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
+    return "external_launcher"
 
 
 class VLLMEngine:
@@ -164,7 +189,10 @@ class VLLMEngine:
                enable_prefix_caching, seed, tensor_parallel_size, enforce_eager, kv_bytes,
                logprobs_mode, max_num_seqs, block_size, enable_chunked_prefill,
                max_num_batched_tokens) -> LLM:
-        return LLM(
+        device = torch.cuda.current_device() if not self.on_cpu else None
+        llm = LLM(
+            distributed_executor_backend=executor_backend(self.on_cpu,
+                                                          tensor_parallel_size),
             model=str(model_path),
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -181,6 +209,9 @@ class VLLMEngine:
             enable_chunked_prefill=enable_chunked_prefill,
             max_num_batched_tokens=max_num_batched_tokens,
         )
+        if device is not None and torch.cuda.current_device() != device:
+            torch.cuda.set_device(device)  # the trainer's collectives run on this rank's GPU
+        return llm
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  n: int = 1) -> list[list[Completion]]:
