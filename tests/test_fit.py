@@ -385,6 +385,18 @@ def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, d
     with pytest.raises(FileNotFoundError, match=r"--data.val\[0\].corpus \(set 'wiki'\)"):
         dm.setup("fit")
     assert dm.engine is None and not dm.train_examples  # nothing started
+    # QA files before prepare_data downloads a policy or builds a demo; limits, and two
+    # retrievers at once, at construction
+    corpus = dict(corpus=str(hotpot / "corpus.jsonl"))
+    with pytest.raises(FileNotFoundError, match=r"--data.train: QA file '.*nowhere.jsonl' "):
+        TraceDataModule(**{**common, "train": missing}, **corpus).prepare_data()
+    with pytest.raises(FileNotFoundError, match=r"--data.val\[0\] \(set 'wiki'\): QA file"):
+        TraceDataModule(**common, **corpus, val=[EvalSet("wiki", missing)]).prepare_data()
+    with pytest.raises(ValueError, match=r"--data.train: limit \(-3\) must be >= 0"):
+        TraceDataModule(**common, **corpus, train_limit=-3)
+    with pytest.raises(ValueError, match=r"both --data.corpus \('.*corpus.jsonl'\) and "
+                                         r"--data.retriever_url \('http://127.0.0.1:1'\)"):
+        TraceDataModule(**common, **corpus, retriever_url="http://127.0.0.1:1")
 
 
 def test_optimizer_flags_are_not_offered(capsys):
@@ -397,6 +409,8 @@ def test_optimizer_flags_are_not_offered(capsys):
 
 
 def test_missing_policy_path_is_a_clear_error(tmp_path):
+    (tmp_path / "q.jsonl").write_text("")  # the data files exist (checked first)
+    (tmp_path / "c.jsonl").write_text("")
     with pytest.raises(FileNotFoundError, match="--model.policy_path"):
         main(["fit", "--config", str(REPO / "configs" / "demo.yaml"),
               f"--model.policy_path={tmp_path / 'nope'}", "--data.demo=null",

@@ -132,6 +132,14 @@ class TraceDataModule(L.LightningDataModule):
             raise ValueError("neither --data.corpus nor --data.retriever_url is set; the agent "
                              "needs a retriever: give a corpus JSONL for BM25 or the URL of "
                              "`trace-lightning-retriever`")
+        if self.demo is None and self.corpus and self.retriever_url:
+            raise ValueError(f"both --data.corpus ({self.corpus!r}) and --data.retriever_url "
+                             f"({self.retriever_url!r}) are set: training would search the "
+                             f"corpus, validation sets without a corpus the server; set one "
+                             f"(a validation set can name its own corpus in --data.val)")
+        for flag, _, limit in self._qa_files():
+            if limit is not None and limit < 0:
+                raise ValueError(f"{flag}: limit ({limit}) must be >= 0 or null (all)")
         if self.max_tokens_per_microbatch < self.env_cfg.max_seq_tokens:
             raise ValueError(f"--data.max_tokens_per_microbatch ({self.max_tokens_per_microbatch})"
                              f" must be >= --data.env.max_seq_tokens "
@@ -169,6 +177,7 @@ class TraceDataModule(L.LightningDataModule):
 
     # ---- Lightning hooks ----------------------------------------------------------------
     def prepare_data(self) -> None:
+        self._check_files()
         if self.demo is not None:
             from trace_lightning.demo.prepare import DemoPaths, prepare_demo
 
@@ -192,7 +201,7 @@ class TraceDataModule(L.LightningDataModule):
                                          corpus=str(paths.eval_corpus), limit=None)]
         # the tokenizer and the engine read a directory: a hub id's cached snapshot
         self.policy_dir = local_model_dir(self.policy_path)
-        self._check_corpora()
+        self._check_files()
         if self.retriever_url:  # fail before any work starts; fits the client's batches
             self._retriever(None).check(self.env_cfg.topk)
         if stage == "fit" and not self.train_examples:
@@ -224,16 +233,27 @@ class TraceDataModule(L.LightningDataModule):
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
 
-    def _check_corpora(self) -> None:
-        """Every corpus named exists, before the first epoch trains (a validation set's
-        corpus is read only at the first validation)."""
-        named = [("--data.corpus", self.corpus)] + [
-            (f"--data.val[{i}].corpus (set {v.name!r})", v.corpus)
+    def _qa_files(self) -> list[tuple[str, str, int | None]]:
+        """(flag, path, limit) of every QA file named (the demo's are written later)."""
+        named = [(f"--data.val[{i}] (set {v.name!r})", v.path, v.limit)
+                 for i, v in enumerate(self.val_sets)]
+        if self.demo is None:
+            named.insert(0, ("--data.train", self.train_path, self.train_limit))
+        return named
+
+    def _check_files(self) -> None:
+        """Every QA file and corpus named exists: before prepare_data downloads a policy or
+        builds the demo, and before the first epoch trains (a validation set's files are
+        read only at the first validation)."""
+        named = [(flag, "QA file", path) for flag, path, _ in self._qa_files()]
+        named += [("--data.corpus", "corpus", self.corpus)] + [
+            (f"--data.val[{i}].corpus (set {v.name!r})", "corpus", v.corpus)
             for i, v in enumerate(self.val_sets)]
-        for flag, path in named:
+        for flag, what, path in named:
             if path and not Path(path).is_file():
-                raise FileNotFoundError(f"{flag}: corpus {path!r} does not exist; give the path "
-                                        f"of a corpus JSONL (one passage per line)")
+                line = "passage" if what == "corpus" else "question"
+                raise FileNotFoundError(f"{flag}: {what} {path!r} does not exist; give the "
+                                        f"path of a {what} JSONL (one {line} per line)")
 
     def _retriever(self, corpus: str | None) -> Retriever:
         """BM25 over ``corpus``; None: the retrieval server, or else the training corpus.
