@@ -243,6 +243,29 @@ def test_prepare_demo_waits_for_another_builder_then_finds_it_built(tmp_path):
     assert done and json.loads(done[0].manifest.read_text())["settings"]["warm_start_steps"] == 0
 
 
+def test_prepare_demo_finds_a_built_demo_without_the_lock_and_builds_where_flock_fails(
+        tmp_path, monkeypatch, caplog):
+    """A built demo may sit on a read-only disk: finding it takes no lock. A filesystem
+    without flock (ENOLCK on some network filesystems) builds without one, with a warning."""
+    import errno
+    import fcntl
+
+    import trace_lightning.demo.prepare as prepare_module
+
+    def no_flock(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    paths = prepare_demo(tmp_path / "demo", **_demo_kwargs(warm_start_steps=0))
+    assert paths.manifest.is_file() and "cannot lock" in caplog.text
+
+    def no_lock(lock):
+        raise AssertionError(f"took {lock}")
+
+    monkeypatch.setattr(prepare_module, "_exclusive", no_lock)
+    assert prepare_demo(tmp_path / "demo", **_demo_kwargs(warm_start_steps=0)) == paths
+
+
 def test_prepare_demo_rejects_the_training_seed_as_eval_seed(tmp_path):
     # Same seed, same world: the held-out questions would be the first training questions.
     with pytest.raises(ValueError, match=r"eval_seed \(3\) equals seed \(3\) "

@@ -204,12 +204,15 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
                 "warm_questions": warm_questions,
                 "topk": topk, "use_chat_template": use_chat_template,
                 "instruction": DEMO_INSTRUCTION}
+    if not force and _matches(paths, settings):  # a built demo may sit on a read-only disk
+        log.info("demo in %s is up to date", paths.root)
+        return paths
     paths.root.mkdir(parents=True, exist_ok=True)
     # one builder at a time (two runs started on one out_dir, or one per node on a shared
     # disk): the others wait, then find it up to date
     with _exclusive(paths.root / ".prepare.lock"):
         if not force and _matches(paths, settings):
-            log.info("demo in %s is up to date", paths.root)
+            log.info("demo in %s is up to date (built by another process)", paths.root)
             return paths
         start = time.perf_counter()
         sizes = {"n_people": n_people, "n_cities": n_cities, "n_countries": n_countries,
@@ -256,13 +259,19 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
 
 @contextmanager
 def _exclusive(lock: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock`` (created), waiting for another holder."""
+    """Hold an exclusive ``flock`` on ``lock`` (created), waiting for another holder; where
+    the filesystem has no ``flock`` (some network filesystems), go on without it."""
     with open(lock, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("another process is building the demo in %s: waiting for it", lock.parent)
             fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:
+            log.warning("cannot lock %s (%s): building the demo without a lock; do not start "
+                        "two runs on one --data.demo.out_dir at once", lock, e)
+            yield
+            return
         try:
             yield
         finally:
