@@ -392,6 +392,22 @@ def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, d
         TraceDataModule(**{**common, "train": missing}, **corpus).prepare_data()
     with pytest.raises(FileNotFoundError, match=r"--data.val\[0\] \(set 'wiki'\): QA file"):
         TraceDataModule(**common, **corpus, val=[EvalSet("wiki", missing)]).prepare_data()
+    # files the demo writes are checked once it has (a learning benchmark's --data.val);
+    # validate needs no training file
+    from types import SimpleNamespace
+
+    from trace_lightning.data_config import DemoConfig
+
+    demo = tmp_path / "demo"
+    dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo)), policy_path=str(demo / "model"),
+                         val=[EvalSet("held", str(demo / "eval_qa.jsonl"),
+                                      corpus=str(demo / "eval_corpus.jsonl"))])
+    dm._check_files(before_demo=True)
+    with pytest.raises(FileNotFoundError, match=r"--data.val\[0\] \(set 'held'\): QA file"):
+        dm._check_files()
+    dm = TraceDataModule(**{**common, "train": missing}, **corpus)
+    dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="validate"))
+    dm._check_files(before_demo=True)
     with pytest.raises(ValueError, match=r"--data.train: limit \(-3\) must be >= 0"):
         TraceDataModule(**common, **corpus, train_limit=-3)
     with pytest.raises(ValueError, match=r"both --data.corpus \('.*corpus.jsonl'\) and "

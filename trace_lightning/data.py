@@ -177,7 +177,7 @@ class TraceDataModule(L.LightningDataModule):
 
     # ---- Lightning hooks ----------------------------------------------------------------
     def prepare_data(self) -> None:
-        self._check_files()
+        self._check_files(before_demo=True)
         if self.demo is not None:
             from trace_lightning.demo.prepare import DemoPaths, prepare_demo
 
@@ -233,23 +233,29 @@ class TraceDataModule(L.LightningDataModule):
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
 
-    def _qa_files(self) -> list[tuple[str, str, int | None]]:
-        """(flag, path, limit) of every QA file named (the demo's are written later)."""
+    def _qa_files(self, fitting: bool = True) -> list[tuple[str, str, int | None]]:
+        """(flag, path, limit) of every QA file named (the training file when ``fitting``
+        and not a demo run, whose files prepare_data writes)."""
         named = [(f"--data.val[{i}] (set {v.name!r})", v.path, v.limit)
                  for i, v in enumerate(self.val_sets)]
-        if self.demo is None:
+        if self.demo is None and fitting:
             named.insert(0, ("--data.train", self.train_path, self.train_limit))
         return named
 
-    def _check_files(self) -> None:
+    def _check_files(self, before_demo: bool = False) -> None:
         """Every QA file and corpus named exists: before prepare_data downloads a policy or
-        builds the demo, and before the first epoch trains (a validation set's files are
-        read only at the first validation)."""
-        named = [(flag, "QA file", path) for flag, path, _ in self._qa_files()]
+        builds the demo (``before_demo``: files the demo writes are not there yet), and
+        before the first epoch trains (a validation set's files are read only at the first
+        validation)."""
+        fitting = self.trainer is None or self.trainer.state.fn == "fit"
+        named = [(flag, "QA file", path) for flag, path, _ in self._qa_files(fitting)]
         named += [("--data.corpus", "corpus", self.corpus)] + [
             (f"--data.val[{i}].corpus (set {v.name!r})", "corpus", v.corpus)
             for i, v in enumerate(self.val_sets)]
+        demo_dir = Path(self.demo.out_dir).resolve() if before_demo and self.demo else None
         for flag, what, path in named:
+            if demo_dir is not None and path and demo_dir in Path(path).resolve().parents:
+                continue
             if path and not Path(path).is_file():
                 line = "passage" if what == "corpus" else "question"
                 raise FileNotFoundError(f"{flag}: {what} {path!r} does not exist; give the "
