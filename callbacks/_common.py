@@ -10,8 +10,8 @@ is checked there.
 
 Scalars go to every logger at ``trainer.fit_loop.epoch_loop._batches_that_stepped``: the
 step Lightning's ``self.log`` (the module's ``train/*``) and its own ``LearningRateMonitor``
-use, so all curves share one x-axis. (``trainer.global_step`` counts optimizer steps, and
-the predictor's optimizer steps many times per epoch, so it would drift off that axis.)
+use, so all curves share one x-axis. (``trainer.global_step`` counts optimizer steps; a
+module that also steps another optimizer through Lightning would move it off that axis.)
 """
 
 from __future__ import annotations

@@ -19,18 +19,16 @@ from trace_lightning.export import export_dtype, save_policy
 
 
 def policy_optimizer_steps(trainer: pl.Trainer) -> int:
-    """Steps taken by the policy's optimizer: the first (``TraceModule.configure_optimizers``
-    returns ``[policy, predictor]``).
+    """Steps taken by the policy's optimizer: Lightning's first (``TraceModule`` keeps the
+    predictor's optimizer out of Lightning's).
 
     ``trainer.global_step`` is not that count under manual optimization: it counts every
-    ``LightningOptimizer.step`` made inside ``training_step``, the predictor's too wherever a
-    module steps it there (TraceModule steps it from ``train_dataloader``, which Lightning
-    does not count, so its global_step is the policy's today by accident of placement). The
-    optimizer's own count does not depend on where it is stepped, and is checkpointed with
-    it, so a resumed run continues it. Adam-family optimizers keep it per parameter
-    (``state[p]["step"]``; a parameter without a gradient skips a step, so the largest). An
-    optimizer that keeps none (plain SGD): ``trainer.global_step``, exact when it is the
-    only one.
+    ``LightningOptimizer.step`` made inside ``training_step``, another optimizer's too
+    wherever a module steps it there. The optimizer's own count does not depend on where it
+    is stepped, and is checkpointed with it, so a resumed run continues it. Adam-family
+    optimizers keep it per parameter (``state[p]["step"]``; a parameter without a gradient
+    skips a step, so the largest). An optimizer that keeps none (plain SGD):
+    ``trainer.global_step``, exact when it is the only one.
     """
     counts = [int(s["step"]) for s in trainer.optimizers[0].state.values() if "step" in s]
     return max(counts) if counts else trainer.global_step

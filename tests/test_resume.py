@@ -125,6 +125,40 @@ def test_resuming_under_fsdp_restores_the_predictors_own_optimizer(policy_dir, t
             torch.testing.assert_close(state["state"][i][key], value, atol=0, rtol=0)
 
 
+def test_a_checkpoint_with_the_predictors_optimizer_in_lightnings_resumes_it(policy_dir,
+                                                                           tmp_path):
+    """Checkpoints written before the predictor's optimizer left Lightning's hold its state
+    as Lightning's second optimizer: the resumed run takes it from there, and a checkpoint
+    saved before its first predictor step (e.g. on an exception in the first rollout) keeps
+    it, not None."""
+    resaved = tmp_path / "resaved.ckpt"
+
+    class Receive(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:
+                trainer.save_checkpoint(resaved)
+            pl_module.receive_step(types.SimpleNamespace(trees=mixed_trees(),
+                                                         epoch=trainer.current_epoch))
+
+    def fit(epochs, ckpt=None):
+        module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)
+        return _fit(tmp_path, module, epochs, Receive(), ckpt)
+
+    ckpt = fit(1).checkpoint_callback.best_model_path
+    old = torch.load(ckpt, weights_only=False)
+    saved = old["trace"].pop("predictor_optimizer")
+    old["optimizer_states"].append(saved)  # the layout before
+    torch.save(old, tmp_path / "old.ckpt")
+    fit(2, str(tmp_path / "old.ckpt"))
+    kept = torch.load(resaved, weights_only=False)
+    assert len(kept["optimizer_states"]) == 1
+    state = kept["trace"]["predictor_optimizer"]["state"]
+    assert state.keys() == saved["state"].keys() and saved["state"]
+    for i, moments in saved["state"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(state[i][key], value, atol=0, rtol=0)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_validate_from_a_checkpoint_under_fsdp_and_bf16_true(policy_dir, tmp_path,
                                                              no_process_group):

@@ -108,8 +108,8 @@ def cli(args: list[str] | None = None) -> TraceCLI:
         trainer_defaults={"reload_dataloaders_every_n_epochs": 1, "num_sanity_val_steps": 0,
                           "check_val_every_n_epoch": 1, "use_distributed_sampler": False},
         save_config_kwargs={"overwrite": True},
-        # TraceModule builds its two optimizers (policy, predictor) itself: no --optimizer /
-        # --lr_scheduler, which would replace them with one over no parameters
+        # TraceModule builds its optimizers (policy, and the predictor's own) itself: no
+        # --optimizer / --lr_scheduler, which would replace them with one over no parameters
         auto_configure_optimizers=False,
         subclass_mode_model=False, subclass_mode_data=False,
     )

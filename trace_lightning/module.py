@@ -423,7 +423,8 @@ class TraceModule(L.LightningModule):
         checkpoint["trace"] = {"replay": self.replay.state_dict(),
                                "predictor_nodes_seen": self.predictor_nodes_seen,
                                "predictor_stats": self._predictor_stats,
-                               "predictor_optimizer": (None if self._predictor_opt is None
+                               "predictor_optimizer": (self._predictor_opt_restore
+                                                       if self._predictor_opt is None
                                                        else self._predictor_opt.state_dict()),
                                "history": (self.history.state_dict()
                                            if self.history is not None else None)}
@@ -439,8 +440,11 @@ class TraceModule(L.LightningModule):
                                        checkpoint.get("state_dict", {}).items()
                                        if k.startswith(prefix)} or None
         state = checkpoint["trace"]
-        if state.get("predictor_optimizer") is not None:  # loaded on first use
-            self._predictor_opt, self._predictor_opt_restore = None, state["predictor_optimizer"]
+        opt_state = state.get("predictor_optimizer")
+        if opt_state is None and len(checkpoint.get("optimizer_states", [])) == 2:
+            opt_state = checkpoint["optimizer_states"].pop()  # saved as Lightning's second
+        if opt_state is not None:  # loaded on first use
+            self._predictor_opt, self._predictor_opt_restore = None, opt_state
         self.replay.load_state_dict(state["replay"])
         self.predictor_nodes_seen = state["predictor_nodes_seen"]
         self._predictor_stats = state["predictor_stats"]
