@@ -402,12 +402,12 @@ def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, d
     dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo)), policy_path=str(demo / "model"),
                          val=[EvalSet("held", str(demo / "eval_qa.jsonl"),
                                       corpus=str(demo / "eval_corpus.jsonl"))])
-    dm._check_files(before_demo=True)
+    dm._check_files(True, before_demo=True)
     with pytest.raises(FileNotFoundError, match=r"--data.val\[0\] \(set 'held'\): QA file"):
-        dm._check_files()
+        dm._check_files(True)
     dm = TraceDataModule(**{**common, "train": missing}, **corpus)
     dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="validate"))
-    dm._check_files(before_demo=True)
+    dm.prepare_data()
     with pytest.raises(ValueError, match=r"--data.train: limit \(-3\) must be >= 0"):
         TraceDataModule(**common, **corpus, train_limit=-3)
     with pytest.raises(ValueError, match=r"both --data.corpus \('.*corpus.jsonl'\) and "

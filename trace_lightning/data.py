@@ -177,7 +177,8 @@ class TraceDataModule(L.LightningDataModule):
 
     # ---- Lightning hooks ----------------------------------------------------------------
     def prepare_data(self) -> None:
-        self._check_files(before_demo=True)
+        fitting = self.trainer is None or self.trainer.state.fn == "fit"
+        self._check_files(fitting, before_demo=True)
         if self.demo is not None:
             from trace_lightning.demo.prepare import DemoPaths, prepare_demo
 
@@ -201,7 +202,7 @@ class TraceDataModule(L.LightningDataModule):
                                          corpus=str(paths.eval_corpus), limit=None)]
         # the tokenizer and the engine read a directory: a hub id's cached snapshot
         self.policy_dir = local_model_dir(self.policy_path)
-        self._check_files()
+        self._check_files(stage == "fit")
         if self.retriever_url:  # fail before any work starts; fits the client's batches
             self._retriever(None).check(self.env_cfg.topk)
         if stage == "fit" and not self.train_examples:
@@ -242,12 +243,11 @@ class TraceDataModule(L.LightningDataModule):
             named.insert(0, ("--data.train", self.train_path, self.train_limit))
         return named
 
-    def _check_files(self, before_demo: bool = False) -> None:
+    def _check_files(self, fitting: bool, before_demo: bool = False) -> None:
         """Every QA file and corpus named exists: before prepare_data downloads a policy or
         builds the demo (``before_demo``: files the demo writes are not there yet), and
         before the first epoch trains (a validation set's files are read only at the first
         validation)."""
-        fitting = self.trainer is None or self.trainer.state.fn == "fit"
         named = [(flag, "QA file", path) for flag, path, _ in self._qa_files(fitting)]
         named += [("--data.corpus", "corpus", self.corpus)] + [
             (f"--data.val[{i}].corpus (set {v.name!r})", "corpus", v.corpus)
