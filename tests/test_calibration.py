@@ -88,10 +88,21 @@ def test_spearman_vs_brute_force():
         y = rng.integers(0, 3, size=12).astype(float)
         rp, ry = _brute_ranks(p), _brute_ranks(y)
         if rp.std() == 0 or ry.std() == 0:
-            expected = 0.0
+            assert math.isnan(spearman(p, y))
         else:
-            expected = np.corrcoef(rp, ry)[0, 1]
-        assert spearman(p, y) == pytest.approx(expected, abs=1e-12)
+            assert spearman(p, y) == pytest.approx(np.corrcoef(rp, ry)[0, 1], abs=1e-12)
     assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
     assert spearman([0.1, 0.7, 0.3], [0.0, 1.0, 0.5]) == pytest.approx(1.0)
-    assert spearman([0.5, 0.5, 0.5], [0, 1, 1]) == 0.0
+    assert math.isnan(spearman([0.5, 0.5, 0.5], [0, 1, 1]))  # undefined, not "no correlation"
+
+
+def test_outcomes_equal_but_for_rounding_are_constant():
+    """F1 rewards: a node's value is a mean of the same leaf rewards summed in another order.
+    Leaves all 0.7: a 3-leaf node's mean is 0.6999999999999998; by hand the baseline is 0
+    and skill and rank correlation are undefined (they were -1.2e31 and 1.0)."""
+    y = [0.7, (0.7 + 0.7 + 0.7) / 3]
+    assert y[0] != y[1]
+    assert brier_baseline(y, [4, 3]) == 0.0
+    assert math.isnan(brier_skill([0.5, 0.4], y, [4, 3]))
+    assert math.isnan(spearman([0.5, 0.4], y))
+    assert spearman([0.5, 0.4, 0.1], [*y, 0.0]) == pytest.approx(math.sqrt(3) / 2)  # a tie

@@ -11,7 +11,10 @@ reward) and weights ``w_i`` (``n_leaves``; 1 when omitted), ``W = sum_i w_i``:
 - ECE:              equal-width bins over [0, 1] (``p = 1`` falls in the last bin);
                     ``sum_b (W_b / W) |pbar_b - ybar_b|`` with weighted means per bin.
 - Spearman:         Pearson correlation of average ranks (ties share their mean rank);
-                    0 when either side is constant. Unweighted.
+                    NaN when either side is constant. Unweighted.
+
+Values that differ only by floating-point rounding (F1 rewards: means of the same leaf
+rewards summed in another order) count as equal: everything is compared at ``DECIMALS``.
 """
 
 from __future__ import annotations
@@ -21,12 +24,18 @@ from typing import Any
 import numpy as np
 import torch
 
+DECIMALS = 9  # equal to this many decimals: equal (rounding noise neither ranks nor varies)
+
 
 def _arr(x: Any) -> np.ndarray:
     """A flat float64 array from a list, numpy array or torch tensor."""
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
     return np.asarray(x, dtype=np.float64).reshape(-1)
+
+
+def _rounded(x: Any) -> np.ndarray:
+    return np.round(_arr(x), DECIMALS)
 
 
 def _weights(y: np.ndarray, w: Any) -> np.ndarray:
@@ -47,11 +56,14 @@ def brier(p: Any, y: Any, w: Any = None) -> float:
 
 
 def brier_baseline(y: Any, w: Any = None) -> float:
-    """Brier score of the constant predictor at the weighted mean outcome."""
-    y = _arr(y)
+    """Brier score of the constant predictor at the weighted mean outcome (0 when the
+    outcomes are equal to ``DECIMALS``)."""
+    y = _rounded(y)
     w = _weights(y, w)
     if np.sum(w) <= 0:
         return float("nan")
+    if np.ptp(y[w > 0]) == 0:  # exactly 0, not the rounding noise of the weighted mean
+        return 0.0
     ybar = np.sum(w * y) / np.sum(w)
     return float(np.sum(w * (ybar - y) ** 2) / np.sum(w))
 
@@ -95,8 +107,8 @@ def expected_calibration_error(p: Any, y: Any, w: Any = None, bins: int = 10) ->
 
 
 def average_ranks(x: Any) -> np.ndarray:
-    """Ranks 1..N; tied values share the mean of the ranks they span."""
-    x = _arr(x)
+    """Ranks 1..N; tied values (equal to ``DECIMALS``) share the mean of the ranks they span."""
+    x = _rounded(x)
     order = np.argsort(x, kind="stable")
     sorted_x = x[order]
     ranks = np.empty(len(x))
@@ -109,13 +121,13 @@ def average_ranks(x: Any) -> np.ndarray:
 
 
 def spearman(p: Any, y: Any) -> float:
-    """Spearman rank correlation (average ranks for ties); 0 if either side is constant."""
+    """Spearman rank correlation (average ranks for ties); NaN if either side is constant."""
     rp, ry = average_ranks(p), average_ranks(y)
     if len(rp) != len(ry):
         raise ValueError(f"spearman needs equal lengths, got {len(rp)} and {len(ry)}")
     rp, ry = rp - rp.mean(), ry - ry.mean()
     denom = np.sqrt(np.sum(rp ** 2) * np.sum(ry ** 2))
-    return float(np.sum(rp * ry) / denom) if denom > 0 else 0.0
+    return float(np.sum(rp * ry) / denom) if denom > 0 else float("nan")
 
 
 __all__ = ["average_ranks", "brier", "brier_baseline", "brier_skill",
