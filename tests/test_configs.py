@@ -177,3 +177,42 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
     # the large local state stays out of the build context
     for local in (".venv", "runs", ".git", "data"):
         assert local in patterns, f".dockerignore should leave out {local}"
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "hotpotqa_qwen3.yaml"])
+def test_shipped_checkpointing_writes_last_during_training(name, tmp_path):
+    """The configs' ModelCheckpoint, on a toy module: a run stopped after its first
+    checkpoint epoch can resume from ``last.ckpt`` (``save_top_k: 0`` wrote one only when
+    training ended, so a crash lost the whole run)."""
+    import lightning as L
+    import torch
+    import yaml
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    config = yaml.safe_load((REPO / "configs" / name).read_text())
+    (args,) = [c["init_args"] for c in config["trainer"]["callbacks"]
+               if c["class_path"].endswith("ModelCheckpoint")]
+    every = args.get("every_n_epochs", 1)
+    seen = []
+
+    class Toy(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Look(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            seen.append((trainer.current_epoch, (tmp_path / "last.ckpt").exists()))
+
+    trainer = L.Trainer(max_epochs=every + 1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu",
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, **args), Look()])
+    trainer.fit(Toy(), DataLoader(torch.ones(2, 1)))
+    assert seen[every] == (every, True)  # after the first checkpoint epoch

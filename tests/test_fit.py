@@ -75,8 +75,11 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
     b = tmp_path / "b"
     main(["fit", *demo_args(demo_dir, b, 1, *warmup)])
     (ckpt,) = b.rglob("last.ckpt")
-    # "last": B's first run's checkpoint, in version_0 (the resumed run logs to version_1)
+    # "last": B's first run's checkpoint, in version_0 (the resumed run logs to version_1),
+    # saved at the end of epoch 0, which Lightning finishes again: without a second rollout
+    caplog.set_level("INFO", logger="trace_lightning.data")
     main(["fit", *demo_args(demo_dir, b, 2, *warmup), "--ckpt_path=last"])
+    assert "epoch 0's rollout is in the checkpoint: not rolled out again" in caplog.text
 
     # the same second-epoch trees: same prompts, same allocation, same sampled tokens
     ta = list(read_jsonl(a / "trees" / "epoch_1_rank_0.jsonl"))

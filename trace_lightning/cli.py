@@ -59,7 +59,7 @@ class TraceCLI(LightningCLI):
         if found is None and required:
             raise FileNotFoundError(
                 f"--ckpt_path last: no last checkpoint (last*.ckpt) in {', '.join(searched)}; "
-                f"train first (ModelCheckpoint(save_last=True), as in configs/demo.yaml, "
+                f"train first (ModelCheckpoint(save_last=...), as in configs/demo.yaml, "
                 f"writes one there), pass a checkpoint's path, or leave --ckpt_path out to "
                 f"use --model.policy_path's weights")
         if found is None:

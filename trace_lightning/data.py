@@ -122,6 +122,8 @@ class TraceDataModule(L.LightningDataModule):
         self._synced_step: int | None = None  # trainer.global_step of the last weight sync
         self.last_val_step: int | None = None  # trainer.global_step the last validation scored
         self.timings: dict[str, float] = {}
+        self._rollout_epoch: int | None = None  # the epoch of the last training rollout
+        self._resumed_epoch: int | None = None  # the checkpoint's, until the first dataloader
 
     # ---- configuration checks (before any work) ------------------------------------------
     def _check_config(self) -> None:
@@ -319,8 +321,20 @@ class TraceDataModule(L.LightningDataModule):
             self.engine.sleep()
 
     def train_dataloader(self) -> DataLoader:
+        resumed, self._resumed_epoch = self._resumed_epoch, None
+        if resumed is not None and self.trainer.current_epoch <= resumed:
+            # Resumed from a checkpoint saved at the end of this epoch (ModelCheckpoint saves
+            # there): Lightning asks for its dataloader again to finish the epoch, whose
+            # batches were trained before the checkpoint and run no more. Rolling out again
+            # would cost a phase and draw the next epoch's prompts. (A checkpoint saved
+            # mid-epoch skips the rest of that epoch.)
+            log.info("epoch %d's rollout is in the checkpoint: not rolled out again",
+                     self.trainer.current_epoch)
+            done = {"micro": [], "n_tokens": 0.0}  # never trained: the epoch's batches ran
+            return DataLoader([done], batch_size=None, collate_fn=lambda b: b)
         with self._engine_turn():
             step = self._rollout()
+        self._rollout_epoch = step.epoch
         module = self.trainer.lightning_module
         module.receive_step(step)
         epoch, (rank, _) = self.trainer.current_epoch, self._rank
@@ -429,10 +443,12 @@ class TraceDataModule(L.LightningDataModule):
 
     # ---- checkpointing: the sampler's RNG -----------------------------------------------
     def state_dict(self) -> dict:
-        return {"rng": self._rng.bit_generator.state, "allocator": self.allocator.state_dict()}
+        return {"rng": self._rng.bit_generator.state, "allocator": self.allocator.state_dict(),
+                "rollout_epoch": self._rollout_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         self._rng.bit_generator.state = state["rng"]
+        self._resumed_epoch = state.get("rollout_epoch")  # see train_dataloader
         self.allocator.load_state_dict(state["allocator"])
         self._synced_step = None  # restored weights: sync them before sampling
 
