@@ -180,10 +180,12 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "hotpotqa_qwen3.yaml"])
-def test_shipped_checkpointing_writes_last_during_training(name, tmp_path):
-    """The configs' ModelCheckpoint, on a toy module: a run stopped after its first
-    checkpoint epoch can resume from ``last.ckpt`` (``save_top_k: 0`` wrote one only when
-    training ended, so a crash lost the whole run)."""
+def test_shipped_checkpointing_survives_a_crash(name, tmp_path):
+    """The configs' ModelCheckpoint and validation cadence on a toy module, killed after its
+    first checkpoint epoch: ``last.ckpt`` is there (``save_top_k: 0`` wrote one only when
+    training ended, so a crash lost the run), and the resumed run goes on with the next
+    epoch without ending the checkpointed one again (a save at validation end made Lightning
+    rerun that epoch's end: callbacks, exports)."""
     import lightning as L
     import torch
     import yaml
@@ -194,7 +196,8 @@ def test_shipped_checkpointing_writes_last_during_training(name, tmp_path):
     (args,) = [c["init_args"] for c in config["trainer"]["callbacks"]
                if c["class_path"].endswith("ModelCheckpoint")]
     every = args.get("every_n_epochs", 1)
-    seen = []
+    val_every = config["trainer"].get("check_val_every_n_epoch", 1)
+    starts, ends = [], []
 
     class Toy(L.LightningModule):
         def __init__(self):
@@ -204,15 +207,32 @@ def test_shipped_checkpointing_writes_last_during_training(name, tmp_path):
         def training_step(self, batch, batch_idx):
             return self.layer(batch).sum()
 
+        def validation_step(self, batch, batch_idx):
+            pass
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     class Look(L.Callback):
         def on_train_epoch_start(self, trainer, pl_module):
-            seen.append((trainer.current_epoch, (tmp_path / "last.ckpt").exists()))
+            starts.append((trainer.current_epoch, (tmp_path / "last.ckpt").exists()))
+            if trainer.current_epoch == every and trainer.max_epochs == every + 1:
+                raise RuntimeError("killed")  # after the first checkpoint epoch
 
-    trainer = L.Trainer(max_epochs=every + 1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu",
-                        callbacks=[ModelCheckpoint(dirpath=tmp_path, **args), Look()])
-    trainer.fit(Toy(), DataLoader(torch.ones(2, 1)))
-    assert seen[every] == (every, True)  # after the first checkpoint epoch
+        def on_train_epoch_end(self, trainer, pl_module):
+            ends.append(trainer.current_epoch)
+
+    def fit(epochs, ckpt=None):
+        trainer = L.Trainer(max_epochs=epochs, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, accelerator="cpu",
+                            check_val_every_n_epoch=val_every, num_sanity_val_steps=0,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path, **args), Look()])
+        data = DataLoader(torch.ones(2, 1))
+        trainer.fit(Toy(), data, DataLoader(torch.ones(1, 1)), ckpt_path=ckpt)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(every + 1)
+    assert starts[every] == (every, True)
+    ends.clear()
+    fit(every + 2, str(tmp_path / "last.ckpt"))
+    assert ends == [every, every + 1]

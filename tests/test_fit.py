@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trace_lightning.cli import cli, main
+from trace_lightning.data_config import DemoConfig
 from trace_lightning.export import export_checkpoint, policy_state
 from trace_lightning.export import main as export_main
 from trace_lightning.tree import read_jsonl
@@ -197,6 +198,68 @@ def test_validate_last_checkpoint_samples_with_its_weights(demo_dir, tmp_path):
     assert sampled.numel() > 5
     assert (sampled - logprobs(trained, seq)).abs().max() < 1e-3
     assert (sampled - logprobs(initial, seq)).abs().max() > 1e-2
+
+
+def test_last_checkpoint_skips_links_to_deleted_checkpoints(tmp_path, caplog):
+    """``last.ckpt`` is a link (``save_last: link``): one whose checkpoint was deleted (old
+    versions pruned by hand) is skipped, not a FileNotFoundError, even when it is newest."""
+    import os
+    import time
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trace_lightning.cli import last_checkpoint
+
+    links = []
+    for version in (0, 1):
+        folder = tmp_path / "tb" / f"version_{version}" / "checkpoints"
+        folder.mkdir(parents=True)
+        (folder / "epoch=0-step=4.ckpt").write_text("")
+        (folder / "last.ckpt").symlink_to("epoch=0-step=4.ckpt")
+        links.append(folder / "last.ckpt")
+    later = time.time() + 100
+    os.utime(links[0].resolve(), (later, later))  # version_0's checkpoint is the newest...
+    links[0].resolve().unlink()  # ...and deleted
+    trainer = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint()],
+                              loggers=[TensorBoardLogger(str(tmp_path), name="tb")],
+                              default_root_dir=str(tmp_path))
+    found, _ = last_checkpoint(trainer)
+    assert found == links[1]
+    assert "links to deleted checkpoints" in caplog.text
+
+
+def test_a_resumed_epoch_is_rolled_out_again_only_when_it_was_not_finished(demo_dir):
+    """Resumed from the checkpoint of an epoch whose rollout it holds, Lightning asks for
+    that epoch's dataloader again: finished (an epoch-end checkpoint), a placeholder that no
+    batch reads; unfinished (a mid-epoch checkpoint), its remaining batches run on a new
+    rollout. Either way the next checkpoint still knows the epoch was rolled out."""
+    from types import SimpleNamespace
+
+    from trace_lightning.data import TraceDataModule
+
+    class RolledOut(Exception):
+        pass
+
+    def rollout():
+        raise RolledOut
+
+    for finished in (True, False):
+        dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo_dir)),
+                             policy_path=str(demo_dir / "model"))
+        progress = SimpleNamespace(is_last_batch=finished)
+        dm.trainer = SimpleNamespace(current_epoch=3, fit_loop=SimpleNamespace(
+            epoch_loop=SimpleNamespace(batch_progress=progress)))
+        dm.load_state_dict({**dm.state_dict(), "rollout_epoch": 3})
+        dm.engine, dm._rollout = SimpleNamespace(wake_up=lambda: None, sleep=lambda: None), rollout
+        if finished:
+            (placeholder,) = list(dm.train_dataloader())
+            assert placeholder == {"micro": [], "n_tokens": 0.0}
+            assert dm.state_dict()["rollout_epoch"] == 3
+        else:
+            with pytest.raises(RolledOut):
+                dm.train_dataloader()
 
 
 def test_validate_last_without_a_checkpoint_is_a_clear_error(demo_dir, tmp_path):

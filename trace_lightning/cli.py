@@ -93,6 +93,11 @@ def last_checkpoint(trainer: Trainer) -> tuple[Path | None, list[str]]:
             patterns.append(str(Path(trainer.default_root_dir) / "checkpoints" / "last*.ckpt"))
     patterns = list(dict.fromkeys(patterns))
     found = [Path(p) for pattern in patterns for p in glob.glob(pattern)]
+    broken = [p for p in found if not p.exists()]  # a link whose checkpoint was deleted
+    if broken:
+        log.warning("--ckpt_path last: skipping %s (links to deleted checkpoints)",
+                    ", ".join(map(str, broken)))
+    found = [p for p in found if p.exists()]
     if not found:
         return None, patterns
     return max(found, key=lambda p: p.stat().st_mtime), patterns

@@ -322,14 +322,16 @@ class TraceDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         resumed, self._resumed_epoch = self._resumed_epoch, None
-        if resumed is not None and self.trainer.current_epoch <= resumed:
+        finished = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if resumed is not None and self.trainer.current_epoch <= resumed and finished:
             # Resumed from a checkpoint saved at the end of this epoch (ModelCheckpoint saves
             # there): Lightning asks for its dataloader again to finish the epoch, whose
             # batches were trained before the checkpoint and run no more. Rolling out again
-            # would cost a phase and draw the next epoch's prompts. (A checkpoint saved
-            # mid-epoch skips the rest of that epoch.)
+            # would cost a phase and draw the next epoch's prompts. (After a mid-epoch
+            # checkpoint the epoch's remaining batches run: it is rolled out again.)
             log.info("epoch %d's rollout is in the checkpoint: not rolled out again",
                      self.trainer.current_epoch)
+            self._rollout_epoch = resumed
             done = {"micro": [], "n_tokens": 0.0}  # never trained: the epoch's batches ran
             return DataLoader([done], batch_size=None, collate_fn=lambda b: b)
         with self._engine_turn():
