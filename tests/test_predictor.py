@@ -436,7 +436,7 @@ def _uneven_ranks_worker(rank: int, world: int, out_dir: str) -> None:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-    from trace_lightning.module import _all_gather_batch
+    from trace_lightning.collectives import all_gather_batch
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -460,7 +460,7 @@ def _uneven_ranks_worker(rank: int, world: int, out_dir: str) -> None:
         trees.append(t)
     try:
         feats = node_features(policy, trees, batch_tokens=8)  # one forward per path on rank 0
-        batch = _all_gather_batch(training_batch(trees, feats), SimpleNamespace(world_size=2))
+        batch = all_gather_batch(training_batch(trees, feats), SimpleNamespace(world_size=2))
         torch.save({"features": batch.features, "value": batch.value, "head_rows": head_rows,
                     "plain": training_batch(trees, node_features(plain, trees, 8)).features},
                    f"{out_dir}/rank{rank}.pt")

@@ -19,6 +19,7 @@ Layout (one small module per idea):
     loss         clipped surrogate, token log-probs, predictor loss
     packing      token-budget micro-batches
     collect      one RL step: candidates -> allocation -> trees -> sequences
+    collectives  gathers and broadcast across ranks (module and data module)
     data         TraceDataModule (rollouts each epoch); data_config: its typed sections
     module       TraceModule (policy + predictor, the update)
     cli          the `trace-lightning` LightningCLI

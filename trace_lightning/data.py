@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trace_lightning.allocators import Allocator
 from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
+from trace_lightning.collectives import from_rank0
 from trace_lightning.data_config import DemoConfig, EngineConfig, EnvConfig, EvalSet
 from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines.base import SamplingConfig
@@ -375,7 +376,7 @@ class TraceDataModule(L.LightningDataModule):
                             # every rank's streams apart
                             seed=int(self._rng.integers(2**31 - 1)) + 2 * rank,
                             advantage=self.advantage, shard=(rank, world),
-                            agree=_from_rank0 if world > 1 else None)
+                            agree=from_rank0 if world > 1 else None)
         if bar is not None:
             bar.close()
         self.last_step = step
@@ -495,13 +496,6 @@ class _SampleOnIter(Sampler):
 
     def __len__(self) -> int:
         return len(self.rows)
-
-
-def _from_rank0(obj):
-    """Rank 0's ``obj`` on every rank (a collective)."""
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _val_row(tree: RolloutTree, leaf) -> dict:

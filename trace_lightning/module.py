@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trace_lightning.advantage import AdvantageKind
 from trace_lightning.collect import RolloutStep
+from trace_lightning.collectives import all_gather_batch, all_gather_list
 from trace_lightning.engines.sync import sync_weights
 from trace_lightning.history import PromptHistory
 from trace_lightning.loss import policy_loss, predicting_rows, row_logprobs, rows_to_tokens
@@ -277,11 +278,11 @@ class TraceModule(L.LightningModule):
         """Train the predictor on the step's tree values (all ranks' nodes) plus replay."""
         with torch.no_grad():
             feats = self.featuriser.nodes(self.policy, step.trees)
-        batch = _all_gather_batch(training_batch(step.trees, feats), self.trainer)
+        batch = all_gather_batch(training_batch(step.trees, feats), self.trainer)
         self.replay.add(batch)
         self.predictor_nodes_seen += len(batch.value)
         if self.history is not None:
-            self.history.record(_all_gather_list(
+            self.history.record(all_gather_list(
                 PromptHistory.outcomes_of(step.trees, step.epoch), self.trainer))
         gen = torch.Generator().manual_seed(1000 * self.current_epoch + 17)
         h = self.hparams
@@ -481,23 +482,3 @@ class LinearWarmup:
     def __call__(self, step: int) -> float:
         return min(1.0, (step + 1) / max(self.steps, 1))
 
-
-def _all_gather_list(items: list, trainer) -> list:
-    """Every rank's ``items``, concatenated in rank order."""
-    if trainer is None or trainer.world_size == 1:
-        return items
-    import torch.distributed as dist
-
-    parts = [None] * trainer.world_size
-    dist.all_gather_object(parts, items)
-    return [x for part in parts for x in part]
-
-
-def _all_gather_batch(batch, trainer):
-    """Concatenate every rank's predictor entries (each rank then trains identically)."""
-    if trainer is None or trainer.world_size == 1:
-        return batch
-    parts = _all_gather_list([tuple(t.cpu() for t in batch)], trainer)
-    # a rank that opened no prompt has no nodes, and no feature width: leave it out
-    parts = [p for p in parts if len(p[0])] or parts[:1]
-    return type(batch)(*(torch.cat(ts) for ts in zip(*parts)))
