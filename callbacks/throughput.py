@@ -59,8 +59,8 @@ class Throughput(RolloutCallback):
         self._last_epoch_end: float | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # the checks
         if stage == "fit":
-            self.check(trainer, trainer.datamodule)
             self._last_epoch_end = time.perf_counter()
 
     def _due(self, trainer: pl.Trainer) -> bool:

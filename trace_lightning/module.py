@@ -170,7 +170,6 @@ class TraceModule(L.LightningModule):
             compile_decoder_layers(self.policy)
         dim = self.featuriser.feature_dim(self.policy)
         self.predictor = SuccessPredictor(dim, hidden=self.hparams.predictor_hidden)
-        self._predictor_opt = None
         self.shard_models()
         if self._trainer is not None:  # an unwrapped LightningModule is not moved by FSDP
             self.predictor.to(self.trainer.strategy.root_device)

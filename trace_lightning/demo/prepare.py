@@ -262,6 +262,7 @@ def _exclusive(lock: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock`` (created), waiting for another holder; where
     the filesystem has no ``flock`` (some network filesystems), go on without it."""
     with open(lock, "a") as f:
+        locked = True
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -270,12 +271,12 @@ def _exclusive(lock: Path) -> Iterator[None]:
         except OSError as e:
             log.warning("cannot lock %s (%s): building the demo without a lock; do not start "
                         "two runs on one --data.demo.out_dir at once", lock, e)
-            yield
-            return
+            locked = False
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _matches(paths: DemoPaths, settings: dict) -> bool:
