@@ -58,7 +58,7 @@ EXPECTED_PERF = {
 
 
 def collate_rows(rows: list[dict]) -> dict:
-    """As ``trace_lightning.data._collate_rows``: tensors per field, names as a list."""
+    """As ``trace_lightning.validation.collate_rows``: tensors per field, names as a list."""
     return {k: (torch.tensor([r[k] for r in rows]) if k != "dataset" else [r[k] for r in rows])
             for k in rows[0]}
 

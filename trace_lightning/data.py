@@ -23,7 +23,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader
 
 from trace_lightning.allocators import Allocator
 from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
@@ -38,6 +38,7 @@ from trace_lightning.packing import (collate, equalise_over_ranks, pack_microbat
 from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Retriever
 from trace_lightning.rollout import AgentLoop, sample_trees
 from trace_lightning.tree import RolloutTree, write_jsonl
+from trace_lightning.validation import resampled_loader, val_row
 
 log = logging.getLogger(__name__)
 
@@ -422,10 +423,8 @@ class TraceDataModule(L.LightningDataModule):
         loaders = []
         for v in self.val_sets:
             mine = self.val_examples[v.name][rank::world]
-            rows = _ValRollouts(len(mine) * self.val_samples,
-                                lambda v=v, mine=mine: self._val_rows(v, mine))
-            loaders.append(DataLoader(rows, batch_size=64, sampler=_SampleOnIter(rows),
-                                      collate_fn=_collate_rows))
+            loaders.append(resampled_loader(len(mine) * self.val_samples,
+                                            lambda v=v, mine=mine: self._val_rows(v, mine)))
         return loaders
 
     def _val_rows(self, v: EvalSet, mine: list[QAExample]) -> list[dict]:
@@ -442,7 +441,7 @@ class TraceDataModule(L.LightningDataModule):
         self.last_val_trees[v.name] = trees
         self.last_val_step = self.trainer.global_step
         self.timings["validation_rollout"] = time.perf_counter() - tic
-        return [_val_row(t, leaf) for t in trees for leaf in t.leaves()]
+        return [val_row(t, leaf) for t in trees for leaf in t.leaves()]
 
     # ---- checkpointing: the sampler's RNG -----------------------------------------------
     def state_dict(self) -> dict:
@@ -465,47 +464,3 @@ class TraceDataModule(L.LightningDataModule):
         # the next engine starts from policy_path's weights: it must be synced, whatever the
         # step (validate does not move global_step, so the step alone cannot tell)
         self._synced_step = None
-
-
-class _ValRollouts(Dataset):
-    """``n`` validation rows, (re)computed by ``sample()`` when ``refresh`` is called."""
-
-    def __init__(self, n: int, sample) -> None:
-        self.n, self.sample, self.rows = n, sample, None
-
-    def refresh(self) -> None:
-        self.rows = self.sample()
-        assert len(self.rows) == self.n, (len(self.rows), self.n)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        return self.rows[i]
-
-
-class _SampleOnIter(Sampler):
-    """In-order sampler that refreshes its ``_ValRollouts`` at the start of every pass."""
-
-    def __init__(self, rows: _ValRollouts) -> None:
-        self.rows = rows
-
-    def __iter__(self):
-        self.rows.refresh()
-        return iter(range(len(self.rows)))
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-
-def _val_row(tree: RolloutTree, leaf) -> dict:
-    turns = tree.path(leaf.id)[1:]
-    return {"dataset": tree.dataset, "em": float(leaf.em or 0.0), "f1": float(leaf.f1 or 0.0),
-            "reward": float(leaf.reward or 0.0),
-            "searches": float(sum(n.action == "search" for n in turns)),
-            "malformed": float(leaf.action == "invalid")}
-
-
-def _collate_rows(rows: list[dict]) -> dict:
-    return {k: (torch.tensor([r[k] for r in rows]) if k != "dataset" else [r[k] for r in rows])
-            for k in rows[0]}
