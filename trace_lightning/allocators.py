@@ -26,14 +26,18 @@ predictor has trained on fewer than ``cold_start_nodes`` nodes, roots are planne
 ``uniform`` (``trace``: as by ``random_tree``, random prefixes included), so an untrained
 predictor steers nothing. ``oracle`` never cold-starts: its inputs are not a trained model.
 
-How the DataModule calls it, once per step::
+How ``collect.collect_step`` calls it, once per step::
 
     plan = allocator.plan_roots(len(candidates), predictions, predictor_nodes_seen)
     # sample plan.rollouts[i] bare rollouts for each candidate i with rollouts[i] > 0
-    # (trees in candidate order, opened ones only), score them, predict every prefix
-    prefixes = allocator.plan_prefixes(trees, cold_start=plan.cold_start)
-    # node.continuations is now set on every chosen prefix; sample those continuations
-    assert planned_leaves(plan, prefixes) == allocator.leaves_per_step  (unless unspent > 0)
+    planner = allocator.prefix_planner(cold_start=plan.cold_start)
+    # after any turn: the trees whose bare rollouts all ended, scored and (trace) predicted
+    for tree, node, k in planner.plan(done): ...  # sample k continuations from node
+    # once every tree is planned: the pool of budget trees could not use
+    for tree, node, k in planner.spend_pool(): ...
+    # planner.unspent: budget no prefix could take, sampled as extra bare rollouts
+
+``plan_prefixes(trees)`` does both phases at once over finished trees (same counts).
 """
 
 from __future__ import annotations
@@ -46,13 +50,14 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from trace_lightning.allocation import (
-    PrefixSpread,
+    unflatten,
+    draw_random,
+    solve_prefixes,
     solve_roots,
+    spend_pool,
     spendable_roots,
-    spread_prefix_budget,
-    spread_random,
 )
-from trace_lightning.tree import RolloutTree
+from trace_lightning.tree import Node, RolloutTree
 
 Kind = Literal["uniform", "random_tree", "prompt", "trace", "oracle"]
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -137,7 +142,7 @@ class Allocator:
         max_continuations_per_prefix: most continuations from one prefix (None: no limit).
         seed: seed of the allocator's RNGs: one for exploration picks, drawn in
             ``plan_roots`` (identically on every rank: all plan the same global step), one
-            for random prefixes, drawn in ``plan_prefixes`` (per rank, over its own trees, so
+            for random prefixes, drawn in stage 2 (``PrefixPlanner``; per rank, over its own trees, so
             its draws differ between ranks and must not move the exploration stream);
             ``start_step`` reseeds the latter from (seed, step, rank).
     """
@@ -305,19 +310,13 @@ class Allocator:
 
     # ---- stage 2 ---------------------------------------------------------------------------
     def plan_prefixes(self, trees: Sequence[RolloutTree], cold_start: bool = False) -> PrefixPlan:
-        """Continuations per non-leaf prefix; sets ``node.continuations`` on every prefix.
+        """Continuations per non-leaf prefix of every tree at once; sets ``node.continuations``.
 
-        Call once per step, after the bare rollouts are finished and scored and (``trace``,
-        ``oracle``) every prefix's ``node.prediction`` is set, before any continuation is
-        added. Each tree's budget is ``N`` times its number of bare rollouts. Kinds without
-        branching return an empty plan.
-
-        The pool of budget a tree cannot use is over ``trees``: under several processes each
-        rank plans its own share of the prompts, so a rank whose prompts have no prefix left
-        to take it spends it as extra bare rollouts (``collect_step``) even when another
-        rank's prefixes could. The leaves per step stay the same; where the leftover goes
-        depends on how the prompts fall on the ranks (a shared pool would make every rank
-        wait for all ranks' bare rollouts).
+        The one-call form of ``prefix_planner``: ``plan(trees)`` then ``spend_pool()``, the
+        same counts as the incremental schedule ``collect_step`` runs. Call after the bare
+        rollouts are finished and scored and (``trace``, ``oracle``) every prefix's
+        ``node.prediction`` is set, before any continuation is added. Kinds without branching
+        return an empty plan.
 
         Args:
             trees: the opened prompts' trees (keys of the result index this list).
@@ -325,33 +324,16 @@ class Allocator:
         """
         if self.kind not in _BRANCHING:
             return PrefixPlan()
-        prefixes = [t.prefixes() for t in trees]
-        budgets = [len(t.bare_rollouts()) * self.continuations for t in trees]
-        cap = self.max_continuations_per_prefix
-        if self.kind == "random_tree" or cold_start:
-            sizes = [len(p) for p in prefixes]
-            spread: PrefixSpread = spread_random(sizes, budgets, self._rng, cap)
-        else:
-            pairs = []
-            for t, nodes in zip(trees, prefixes):
-                rollouts = {t.nodes[i].rollout for i in t.bare_rollouts()}
-                rewards = {j: bare_reward(t, j) for j in rollouts}
-                row = []
-                for node in nodes:
-                    if node.prediction is None:
-                        raise ValueError(f"prefix node {node.id} of tree {t.tree_id} has no "
-                                         f"prediction; run the predictor on every prefix before "
-                                         f"plan_prefixes (kind {self.kind!r})")
-                    row.append((rewards[node.rollout], float(node.prediction)))
-                pairs.append(row)
-            spread = spread_prefix_budget(pairs, budgets, cap)
-        plan = PrefixPlan(pool_returned=spread.pool_returned, unspent=spread.unspent)
-        for ti, (nodes, counts) in enumerate(zip(prefixes, spread.counts)):
-            for node, c in zip(nodes, counts):
-                node.continuations = c
-                if c:
-                    plan.continuations[(ti, node.id)] = c
-        return plan
+        planner = self.prefix_planner(cold_start)
+        planner.plan(trees)
+        planner.spend_pool()
+        return planner.result()
+
+    def prefix_planner(self, cold_start: bool = False) -> PrefixPlanner:
+        """One step's stage 2, tree by tree (kinds with branching)."""
+        if self.kind not in _BRANCHING:
+            raise ValueError(f"kind {self.kind!r} does not branch: it has no stage 2")
+        return PrefixPlanner(self, cold_start)
 
     # ---- resume ----------------------------------------------------------------------------
     def start_step(self, step: int, rank: int = 0) -> None:
@@ -372,3 +354,105 @@ class Allocator:
         self._rng.bit_generator.state = state["rng"]
         if "explore_rng" in state:  # checkpoints before it kept one RNG: exploration restarts
             self._explore_rng.bit_generator.state = state["explore_rng"]
+
+
+class PrefixPlanner:
+    """One step's stage 2, tree by tree: a prompt branches as soon as its bare rollouts end.
+
+    ``plan(trees)`` is phase 1 for those trees: each spends its own ``m_i N`` continuations
+    on its own prefixes (``solve_prefixes``, or random draws for ``random_tree`` and a cold
+    start), so it needs nothing of the trees still running. What a tree cannot use goes to
+    the pool. ``spend_pool()``, once every tree is planned, is phase 2 (``spend_pool``):
+    the pool over every planned tree's prefixes. Together they give exactly
+    ``spread_prefix_budget``'s counts (phase 1 is per tree, and phase 2 starts from it); the
+    random draws come in the order trees are planned.
+
+    The pool is over this planner's trees: under several processes each rank plans its own
+    share of the prompts, so a rank whose prompts have no prefix left to take it spends it
+    as extra bare rollouts (``collect_step``) even when another rank's prefixes could. The
+    leaves per step stay the same; where the leftover goes depends on how the prompts fall on
+    the ranks (a shared pool would make every rank wait for all ranks' bare rollouts).
+    """
+
+    def __init__(self, allocator: Allocator, cold_start: bool) -> None:
+        self.allocator = allocator
+        self.random = allocator.kind == "random_tree" or cold_start
+        self.trees: list[RolloutTree] = []
+        self._prefixes: list[list[Node]] = []  # per planned tree, its prefixes at planning
+        self._pairs: list[list[tuple[float, float]]] = []  # (r, p) per prefix (solved kinds)
+        self._counts: list[list[int]] = []
+        self.pool_returned = 0  # budget trees could not use themselves (alloc/pool_returned)
+        self.unspent = 0  # of that, what no prefix could take (set by spend_pool)
+        self.pool_spent = False
+
+    def plan(self, trees: Sequence[RolloutTree]) -> list[tuple[RolloutTree, int, int]]:
+        """Phase 1 for ``trees`` (bare rollouts finished and scored; ``trace``/``oracle``:
+        every prefix predicted): ``(tree, node id, continuations)`` to sample, zeros left out."""
+        if self.pool_spent and trees:  # no trees: a turn another rank reports on
+            raise ValueError("the pool is spent: every tree must be planned before spend_pool")
+        alloc, cap = self.allocator, self.allocator.max_continuations_per_prefix
+        out = []
+        for t in trees:
+            nodes = t.prefixes()
+            budget = len(t.bare_rollouts()) * alloc.continuations
+            pairs = [] if self.random else self._pairs_of(t, nodes)
+            if self.random:
+                counts = [0] * len(nodes)
+                draw_random(counts, budget, alloc._rng, cap)
+            else:
+                counts = solve_prefixes([r for r, _ in pairs], [p for _, p in pairs], budget,
+                                        cap)
+            self.pool_returned += budget - sum(counts)
+            self.trees.append(t)
+            self._prefixes.append(nodes)
+            self._pairs.append(pairs)
+            self._counts.append(counts)
+            for node, c in zip(nodes, counts):
+                node.continuations = c
+                if c:
+                    out.append((t, node.id, c))
+        return out
+
+    def spend_pool(self) -> list[tuple[RolloutTree, int, int]]:
+        """Phase 2, once: the pool over every planned tree's prefixes; returns the
+        continuations it adds. ``unspent`` is then what no prefix could take."""
+        if self.pool_spent:
+            raise ValueError("spend_pool runs once per step")
+        self.pool_spent = True
+        cap = self.allocator.max_continuations_per_prefix
+        if self.random:
+            flat = [c for cs in self._counts for c in cs]
+            self.unspent = self.pool_returned - draw_random(flat, self.pool_returned,
+                                                            self.allocator._rng, cap)
+            new = unflatten(flat, [len(cs) for cs in self._counts])
+        else:
+            new, self.unspent = spend_pool(self._pairs, self._counts, self.pool_returned, cap)
+        out = []
+        for t, nodes, old, counts in zip(self.trees, self._prefixes, self._counts, new):
+            for node, c0, c in zip(nodes, old, counts):
+                node.continuations = c
+                if c > c0:
+                    out.append((t, node.id, c - c0))
+        self._counts = new
+        return out
+
+    def result(self) -> PrefixPlan:
+        """The counts so far as a ``PrefixPlan`` keyed ``(index in planned order, node id)``."""
+        plan = PrefixPlan(pool_returned=self.pool_returned, unspent=self.unspent)
+        for ti, (nodes, counts) in enumerate(zip(self._prefixes, self._counts)):
+            for node, c in zip(nodes, counts):
+                if c:
+                    plan.continuations[(ti, node.id)] = c
+        return plan
+
+    def _pairs_of(self, t: RolloutTree, nodes: list[Node]) -> list[tuple[float, float]]:
+        """``(r, p)`` per prefix: its bare rollout's reward and its prediction."""
+        rewards = {j: bare_reward(t, j) for j in {t.nodes[i].rollout for i in t.bare_rollouts()}}
+        pairs = []
+        for node in nodes:
+            if node.prediction is None:
+                raise ValueError(f"prefix node {node.id} of tree {t.tree_id} has no "
+                                 f"prediction; run the predictor on every prefix before "
+                                 f"planning its continuations (kind {self.allocator.kind!r})")
+            pairs.append((rewards[node.rollout], float(node.prediction)))
+        return pairs

@@ -2,6 +2,7 @@
 
     candidates ─> predictor ─> root plan ─> bare rollouts ─> predictor on prefixes
                ─> prefix plan ─> continuations ─> rewards, values ─> advantages ─> batches
+                  └──────── per prompt, as soon as its bare rollouts end ────────┘
 
 Every step spends the same number of leaves whatever the allocator (equal sampling cost);
 what each phase spent (leaves, generated tokens, tool calls) and took (seconds) is kept on
@@ -46,7 +47,9 @@ class RolloutStep:
 def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAExample],
                  predict: Predict | None, predictor_nodes_seen: int, epoch: int, seed: int,
                  advantage: str, shard: tuple[int, int] = (0, 1),
-                 agree: Callable[[RootPlan], RootPlan] | None = None) -> RolloutStep:
+                 agree: Callable[[RootPlan], RootPlan] | None = None,
+                 any_rank: Callable[[list[bool]], list[bool]] | None = None,
+                 overlap: bool = True) -> RolloutStep:
     """Build one step's trees with ``allocator`` and turn them into training sequences.
 
     ``predict`` is the shared predictor for ``trace``/``prompt``, or an estimate from extra
@@ -55,7 +58,18 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     rolls out the chosen prompts ``rank::world_size``. ``agree`` makes the ranks' root plans
     one (the data module passes rank 0's to all): each rank computes its own predictions,
     and a last-bit difference between them (GPU kernels) could flip a solver's choice, so a
-    prompt would be rolled out twice and another not at all.
+    prompt would be rolled out twice and another not at all. ``any_rank`` (several
+    processes) ORs flags over the ranks, so that every rank predicts on the same turns (see
+    ``AgentLoop.expand``).
+
+    Stage 2 (branching kinds) runs per prompt: after each turn, the prompts whose bare
+    rollouts have all ended get their prefixes predicted and their continuations planned
+    (``PrefixPlanner``), and those join the next turn beside the other prompts' stage 1.
+    Once every prompt is planned, the pool of budget prompts could not use is spent, and
+    what no prefix can take becomes extra bare rollouts, round robin, so every allocator
+    spends the same leaves. ``overlap=False`` waits for every bare rollout first (the
+    schedule before; ``benchmarks/rollout_schedule.py`` compares the two): the same plan,
+    sampled in two waves.
     """
     seconds: dict[str, float] = {}
     tic = time.perf_counter()
@@ -77,30 +91,36 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     rank, world = shard
     opened = [(t, m) for t, m in zip(trees, plan.rollouts) if m > 0][rank::world]
     chosen = [t for t, _ in opened]
-    tic = time.perf_counter()
-    budget = loop.expand([Start(t, 0, m) for t, m in opened], seed=seed)
-    seconds["rollout"] = time.perf_counter() - tic
+    planner = (allocator.prefix_planner(plan.cold_start)
+               if allocator.kind in ("random_tree", "trace", "oracle") else None)
 
-    pool_returned = unspent = 0
-    if allocator.kind in ("random_tree", "trace", "oracle"):
+    def branch(done: list[RolloutTree]) -> list[Start]:
+        """Stage 2 of the trees in ``done``; the pool once every tree is planned."""
+        assert planner is not None
         tic = time.perf_counter()
-        if informed:
-            predict(chosen)
+        if informed:  # on every rank on the same turns, ``done`` empty or not
+            predict(done)
         seconds["predict"] += time.perf_counter() - tic
-        prefix_plan = allocator.plan_prefixes(chosen, cold_start=plan.cold_start)
-        pool_returned = prefix_plan.pool_returned
-        starts = [Start(chosen[ti], node, k)
-                  for (ti, node), k in prefix_plan.continuations.items()]
-        # budget no prefix could take (every rollout single-turn, or caps) becomes extra bare
-        # rollouts, round robin, so every allocator spends the same leaves
-        extra = [0] * len(chosen)
-        for i in range(prefix_plan.unspent if chosen else 0):
-            extra[i % len(chosen)] += 1
-        starts += [Start(t, 0, k) for t, k in zip(chosen, extra) if k]
-        unspent = prefix_plan.unspent
-        tic = time.perf_counter()
-        budget.add(loop.expand(starts, seed=seed + 1))
-        seconds["rollout"] += time.perf_counter() - tic
+        starts = [Start(t, node, k) for t, node, k in planner.plan(done)]
+        if len(planner.trees) == len(chosen) and not planner.pool_spent:
+            starts += [Start(t, node, k) for t, node, k in planner.spend_pool()]
+            extra = [0] * len(chosen)
+            for i in range(planner.unspent if chosen else 0):
+                extra[i % len(chosen)] += 1
+            starts += [Start(t, 0, k) for t, k in zip(chosen, extra) if k]
+        return starts
+
+    tic, predicted = time.perf_counter(), seconds["predict"]
+    first = [Start(t, 0, m) for t, m in opened]
+    if planner is None:
+        budget = loop.expand(first, seed=seed)
+    elif overlap:
+        budget = loop.expand(first, seed=seed, then=branch, any_rank=any_rank)
+    else:
+        budget = loop.expand(first, seed=seed)
+        budget.add(loop.expand(branch(chosen), seed=seed + 1))
+    # the predictions made between turns are counted as "predict", not "rollout"
+    seconds["rollout"] = time.perf_counter() - tic - (seconds["predict"] - predicted)
 
     for t in chosen:
         t.compute_values()
@@ -109,7 +129,8 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
         seq.token_advantages = adv
     return RolloutStep(epoch=epoch, trees=chosen, candidates=len(candidates),
                        root_plan=list(plan.rollouts), sequences=sequences, budget=budget,
-                       pool_returned=pool_returned, unspent=unspent, seconds=seconds,
+                       pool_returned=planner.pool_returned if planner else 0,
+                       unspent=planner.unspent if planner else 0, seconds=seconds,
                        cold_start=plan.cold_start, stage1=[m for _, m in opened])
 
 

@@ -33,3 +33,11 @@ def from_rank0(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag OR-ed over the ranks (a collective; ``device`` is the process's own, a CUDA
+    one under NCCL)."""
+    t = torch.tensor([int(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from trace_lightning.allocators import Allocator
 from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
-from trace_lightning.collectives import from_rank0
+from trace_lightning.collectives import any_rank, from_rank0
 from trace_lightning.data_config import DemoConfig, EngineConfig, EnvConfig, EvalSet
 from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines.base import SamplingConfig
@@ -377,7 +378,9 @@ class TraceDataModule(L.LightningDataModule):
                             # every rank's streams apart
                             seed=int(self._rng.integers(2**31 - 1)) + 2 * rank,
                             advantage=self.advantage, shard=(rank, world),
-                            agree=from_rank0 if world > 1 else None)
+                            agree=from_rank0 if world > 1 else None,
+                            any_rank=partial(any_rank, device=module.device)
+                            if world > 1 else None)
         if bar is not None:
             bar.close()
         self.last_step = step

@@ -66,26 +66,63 @@ class AgentLoop:
         return RolloutTree.new(example.id, example.question, example.answers, ids, text,
                                dataset=example.dataset)
 
-    def expand(self, starts: Sequence[Start], seed: int) -> Budget:
-        """Run every trajectory of ``starts`` to its end; returns what the step spent."""
+    def expand(self, starts: Sequence[Start], seed: int,
+               then: Callable[[list[RolloutTree]], Sequence[Start]] | None = None,
+               any_rank: Callable[[list[bool]], list[bool]] | None = None) -> Budget:
+        """Run every trajectory of ``starts`` to its end; returns what the step spent.
+
+        Args:
+            starts: where trajectories begin, and how many from each.
+            seed: seed of the turns' sampling seeds.
+            then: called after each turn with the trees of ``starts`` whose trajectories
+                have all ended since the last call; the starts it returns join the next
+                turn, beside the other trees' trajectories still running (a prompt's stage
+                2 need not wait for the other prompts' stage 1). A tree is reported once.
+            any_rank: under several processes, ``any_rank(flags)`` is each flag OR-ed over
+                the ranks (a collective). Every rank then calls ``then`` on the same turns
+                (with no trees when none of its own ended), since ``then`` may run
+                collectives itself (the featuriser's forwards under FSDP), and loops until
+                no rank has a trajectory running or a tree to report.
+        """
         rng = np.random.default_rng(seed)
+        live = self._start(starts)
+        waiting = list({id(s.tree): s.tree for s in starts}.values()) if then else []
+        total = Budget()
+        while True:
+            if live:
+                live = self._turn(live, int(rng.integers(2**31 - 1)), total)
+            if then is None:
+                if not live:
+                    return total
+                continue
+            running = {id(t.tree) for t in live}
+            done = [t for t in waiting if id(t) not in running]
+            waiting = [t for t in waiting if id(t) in running]
+            report, more = bool(done), bool(live or waiting or done)
+            if any_rank is not None:
+                report, more = any_rank([report, more])
+            if report:
+                live += self._start(then(done))
+            if not more:
+                return total
+
+    def _start(self, starts: Sequence[Start]) -> list[_Live]:
+        """One live trajectory per count of each start; a new bare rollout gets its tree's
+        next free rollout index."""
         live: list[_Live] = []
-        next_rollout: dict[str, int] = {}
+        next_rollout: dict[int, int] = {}  # by id(tree): oracle probes share a tree_id
         for s in starts:
             node = s.tree.nodes[s.node]
             assert not node.finished, f"cannot continue leaf {s.node} of tree {s.tree.tree_id}"
             prefix = s.tree.prefix_ids(s.node)
             for _ in range(s.count):
-                if s.node == 0:  # a new bare rollout gets the next free index
-                    j = next_rollout.get(s.tree.tree_id, len(s.tree.root.children))
-                    next_rollout[s.tree.tree_id] = j + 1
+                if s.node == 0:
+                    j = next_rollout.get(id(s.tree), len(s.tree.root.children))
+                    next_rollout[id(s.tree)] = j + 1
                 else:
                     j = node.rollout
                 live.append(_Live(s.tree, s.node, j, prefix))
-        total = Budget()
-        while live:
-            live = self._turn(live, int(rng.integers(2**31 - 1)), total)
-        return total
+        return live
 
     def _turn(self, live: list[_Live], seed: int, total: Budget) -> list[_Live]:
         outs: list[Completion] = [c[0] for c in self.engine.generate(
