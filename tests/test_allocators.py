@@ -222,14 +222,14 @@ def test_trace_branches_failures_where_success_looked_likely():
 
 def random_trees(rng, n: int) -> list[RolloutTree]:
     """``n`` trees of 1-4 bare rollouts, 1-3 turns each (some trees without a prefix), random
-    rewards and predictions."""
+    rewards; predictions 0, 0.5 or 1, so that many prefixes tie."""
     trees = []
     for i in range(n):
         rollouts = [(int(rng.integers(1, 4)), float(rng.integers(2)))
                     for _ in range(int(rng.integers(1, 5)))]
         t = make_tree(f"t{i}", rollouts)
         for node in t.prefixes():
-            node.prediction = float(rng.random())
+            node.prediction = float(rng.choice([0.0, 0.5, 1.0]))
         trees.append(t)
     return trees
 
@@ -237,28 +237,26 @@ def random_trees(rng, n: int) -> list[RolloutTree]:
 @pytest.mark.parametrize("kind", ["trace", "random_tree"])
 @pytest.mark.parametrize("cap", [None, 1])
 def test_planning_tree_by_tree_gives_the_one_shot_counts(kind, cap):
-    """The per-prompt schedule (``plan`` on each turn's finished trees, the pool once all
-    are planned) gives exactly ``plan_prefixes``' counts over all trees at once, which are
-    ``spread_prefix_budget``'s (random_tree: the same draws from the same RNG state)."""
+    """The per-prompt schedule (``plan`` on each turn's finished trees, in any order and
+    grouping; the pool once all are planned) gives exactly ``plan_prefixes``' counts over all
+    trees at once, ties included; for trace those are ``spread_prefix_budget``'s, and for
+    random_tree the draws do not depend on the finish order either."""
     import numpy as np
 
     from trace_lightning.allocation import spread_prefix_budget
 
-    for seed in range(20):
+    for seed in range(30):
         rng = np.random.default_rng(seed)
         trees = random_trees(rng, 6)
-        joint = allocator(kind, max_continuations_per_prefix=cap)
-        want = joint.plan_prefixes(trees)
+        want = allocator(kind, max_continuations_per_prefix=cap).plan_prefixes(trees)
         per_node = {(t.tree_id, n.id): n.continuations for t in trees for n in t.prefixes()}
         for n in (n for t in trees for n in t.prefixes()):
             n.continuations = 0
-        incremental = allocator(kind, max_continuations_per_prefix=cap)
-        planner = incremental.prefix_planner()
-        # trace: any finish order; random_tree draws in planning order, so the same order
-        order = (list(rng.permutation(len(trees))) if kind == "trace"
-                 else list(range(len(trees))))
+        planner = allocator(kind, max_continuations_per_prefix=cap).prefix_planner(trees)
+        order = list(rng.permutation(len(trees)))  # the order trees finish in
         got: dict[tuple[str, int], int] = {}
         for group in (order[:1], order[1:4], [], order[4:]):
+            assert not planner.all_planned
             for t, node, k in planner.plan([trees[i] for i in group]):
                 got[(t.tree_id, node)] = got.get((t.tree_id, node), 0) + k
         for t, node, k in planner.spend_pool():
@@ -278,20 +276,44 @@ def test_planning_tree_by_tree_gives_the_one_shot_counts(kind, cap):
                                      for t in trees]
 
 
+def test_tied_prefixes_take_the_pool_in_step_order_whatever_finishes_first():
+    """N = 1. Tree a has one single-turn rollout (no prefix): its 1 continuation goes to the
+    pool. Trees b and c each have one 2-turn success whose prefix is predicted 0.5, so
+    q = 0.5 and each takes its own 1 (gain 0.5). The pool's unit then ties (gain 0.25 on
+    either) and goes to the earlier tree in step order, b, also when c finished first."""
+    def step():
+        return make_tree("a", [(1, 0.0)]), make_tree("b", [(2, 1.0)]), make_tree("c", [(2, 1.0)])
+
+    a, b, c = step()
+    want = allocator("trace", continuations=1).plan_prefixes([a, b, c]).continuations
+    assert want == {(1, 1): 2, (2, 1): 1}
+    a, b, c = step()
+    planner = allocator("trace", continuations=1).prefix_planner([a, b, c])
+    planner.plan([c])
+    planner.plan([a, b])
+    assert planner.spend_pool() == [(b, 1, 1)]
+    assert planner.result().continuations == want
+
+
 def test_the_pool_is_spent_once_after_every_tree():
-    planner = allocator("trace").prefix_planner()
-    planner.plan([make_tree("a", [(1, 0.0), (1, 1.0)])])  # no prefix: 4 to the pool
+    a, b = make_tree("a", [(1, 0.0), (1, 1.0)]), make_tree("b", [(2, 0.0)])
+    planner = allocator("trace").prefix_planner([a, b])
+    planner.plan([a])  # no prefix: 4 to the pool
     assert planner.pool_returned == 4 and not planner.pool_spent
-    (tree, node, k), = planner.plan([make_tree("b", [(2, 0.0)])])  # its own 2
-    assert (tree.tree_id, node, k) == ("b", 1, 2)
-    assert planner.spend_pool() == [(tree, 1, 4)] and tree.nodes[1].continuations == 6
+    with pytest.raises(ValueError, match="every tree must be planned before spend_pool"):
+        planner.spend_pool()
+    with pytest.raises(ValueError, match="tree a is already planned"):
+        planner.plan([a])
+    with pytest.raises(ValueError, match="tree c is not one of the planner's trees"):
+        planner.plan([make_tree("c", [(2, 0.0)])])
+    (tree, node, k), = planner.plan([b])  # its own 2
+    assert (tree.tree_id, node, k) == ("b", 1, 2) and planner.all_planned
+    assert planner.spend_pool() == [(b, 1, 4)] and b.nodes[1].continuations == 6
+    assert planner.plan([]) == []  # a turn only another rank reports on
     with pytest.raises(ValueError, match="once per step"):
         planner.spend_pool()
-    assert planner.plan([]) == []  # a turn only another rank reports on
-    with pytest.raises(ValueError, match="every tree must be planned before spend_pool"):
-        planner.plan([make_tree("c", [(2, 0.0)])])
     with pytest.raises(ValueError, match="does not branch"):
-        allocator("uniform").prefix_planner()
+        allocator("uniform").prefix_planner([a])
 
 
 def test_unfinished_bare_rollout_is_rejected():

@@ -664,6 +664,13 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
     calls = len(engine.calls)
     predict(trees)
     assert len(engine.calls) == calls  # every node already has its prediction
+    # stage 2 calls the oracle once per turn: two calls on the same question draw fresh
+    # samples, not the same ones again
+    fresh = [loop.new_tree(yes_no[0]) for _ in range(2)]
+    predict([fresh[0]])
+    first = [o[0].token_ids for o in engine.calls[-1][1]]
+    predict([fresh[1]])
+    assert [o[0].token_ids for o in engine.calls[-1][1]] != first
 
 
 @pytest.mark.parametrize("max_turns, overlap", [(1, True), (3, True), (3, False)])

@@ -30,7 +30,7 @@ How ``collect.collect_step`` calls it, once per step::
 
     plan = allocator.plan_roots(len(candidates), predictions, predictor_nodes_seen)
     # sample plan.rollouts[i] bare rollouts for each candidate i with rollouts[i] > 0
-    planner = allocator.prefix_planner(cold_start=plan.cold_start)
+    planner = allocator.prefix_planner(trees, cold_start=plan.cold_start)
     # after any turn: the trees whose bare rollouts all ended, scored and (trace) predicted
     for tree, node, k in planner.plan(done): ...  # sample k continuations from node
     # once every tree is planned: the pool of budget trees could not use
@@ -324,16 +324,18 @@ class Allocator:
         """
         if self.kind not in _BRANCHING:
             return PrefixPlan()
-        planner = self.prefix_planner(cold_start)
+        planner = self.prefix_planner(trees, cold_start)
         planner.plan(trees)
         planner.spend_pool()
         return planner.result()
 
-    def prefix_planner(self, cold_start: bool = False) -> PrefixPlanner:
-        """One step's stage 2, tree by tree (kinds with branching)."""
+    def prefix_planner(self, trees: Sequence[RolloutTree],
+                       cold_start: bool = False) -> PrefixPlanner:
+        """One step's stage 2 over ``trees`` (in step order), tree by tree (kinds with
+        branching)."""
         if self.kind not in _BRANCHING:
             raise ValueError(f"kind {self.kind!r} does not branch: it has no stage 2")
-        return PrefixPlanner(self, cold_start)
+        return PrefixPlanner(self, cold_start, trees)
 
     # ---- resume ----------------------------------------------------------------------------
     def start_step(self, step: int, rank: int = 0) -> None:
@@ -363,50 +365,64 @@ class PrefixPlanner:
     on its own prefixes (``solve_prefixes``, or random draws for ``random_tree`` and a cold
     start), so it needs nothing of the trees still running. What a tree cannot use goes to
     the pool. ``spend_pool()``, once every tree is planned, is phase 2 (``spend_pool``):
-    the pool over every planned tree's prefixes. Together they give exactly
-    ``spread_prefix_budget``'s counts (phase 1 is per tree, and phase 2 starts from it); the
-    random draws come in the order trees are planned.
+    the pool over every tree's prefixes, in the step's order of trees. The counts do not
+    depend on the order trees finish in: they are ``spread_prefix_budget``'s over the trees
+    in step order (phase 1 is per tree, and phase 2 starts from it), ties included, and
+    each tree's random draws come from its own generator (seeded from the allocator's RNG,
+    one draw per step, and the tree's position).
 
     The pool is over this planner's trees: under several processes each rank plans its own
     share of the prompts, so a rank whose prompts have no prefix left to take it spends it
     as extra bare rollouts (``collect_step``) even when another rank's prefixes could. The
     leaves per step stay the same; where the leftover goes depends on how the prompts fall on
     the ranks (a shared pool would make every rank wait for all ranks' bare rollouts).
+
+    Args:
+        allocator: the step's allocator (a kind with branching).
+        cold_start: the root plan's ``cold_start`` (``trace`` then branches at random).
+        trees: every tree of the step this planner will plan, in step order.
     """
 
-    def __init__(self, allocator: Allocator, cold_start: bool) -> None:
+    def __init__(self, allocator: Allocator, cold_start: bool,
+                 trees: Sequence[RolloutTree]) -> None:
         self.allocator = allocator
         self.random = allocator.kind == "random_tree" or cold_start
-        self.trees: list[RolloutTree] = []
-        self._prefixes: list[list[Node]] = []  # per planned tree, its prefixes at planning
-        self._pairs: list[list[tuple[float, float]]] = []  # (r, p) per prefix (solved kinds)
-        self._counts: list[list[int]] = []
+        self.trees = list(trees)
+        self._position = {id(t): i for i, t in enumerate(self.trees)}
+        self._base = int(allocator._rng.integers(2**63 - 1)) if self.random else 0
+        n = len(self.trees)
+        self._prefixes: list[list[Node] | None] = [None] * n  # per tree, at planning
+        self._pairs: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # (r, p)
+        self._counts: list[list[int]] = [[] for _ in range(n)]
         self.pool_returned = 0  # budget trees could not use themselves (alloc/pool_returned)
         self.unspent = 0  # of that, what no prefix could take (set by spend_pool)
         self.pool_spent = False
 
+    @property
+    def all_planned(self) -> bool:
+        return all(p is not None for p in self._prefixes)
+
     def plan(self, trees: Sequence[RolloutTree]) -> list[tuple[RolloutTree, int, int]]:
         """Phase 1 for ``trees`` (bare rollouts finished and scored; ``trace``/``oracle``:
         every prefix predicted): ``(tree, node id, continuations)`` to sample, zeros left out."""
-        if self.pool_spent and trees:  # no trees: a turn another rank reports on
-            raise ValueError("the pool is spent: every tree must be planned before spend_pool")
         alloc, cap = self.allocator, self.allocator.max_continuations_per_prefix
         out = []
         for t in trees:
+            i = self._position.get(id(t))
+            if i is None or self._prefixes[i] is not None:
+                why = "not one of the planner's trees" if i is None else "already planned"
+                raise ValueError(f"tree {t.tree_id} is {why}; each tree is planned once")
             nodes = t.prefixes()
             budget = len(t.bare_rollouts()) * alloc.continuations
-            pairs = [] if self.random else self._pairs_of(t, nodes)
             if self.random:
                 counts = [0] * len(nodes)
-                draw_random(counts, budget, alloc._rng, cap)
+                draw_random(counts, budget, np.random.default_rng([self._base, i]), cap)
             else:
-                counts = solve_prefixes([r for r, _ in pairs], [p for _, p in pairs], budget,
-                                        cap)
+                self._pairs[i] = self._pairs_of(t, nodes)
+                counts = solve_prefixes([r for r, _ in self._pairs[i]],
+                                        [p for _, p in self._pairs[i]], budget, cap)
             self.pool_returned += budget - sum(counts)
-            self.trees.append(t)
-            self._prefixes.append(nodes)
-            self._pairs.append(pairs)
-            self._counts.append(counts)
+            self._prefixes[i], self._counts[i] = nodes, counts
             for node, c in zip(nodes, counts):
                 node.continuations = c
                 if c:
@@ -414,16 +430,18 @@ class PrefixPlanner:
         return out
 
     def spend_pool(self) -> list[tuple[RolloutTree, int, int]]:
-        """Phase 2, once: the pool over every planned tree's prefixes; returns the
-        continuations it adds. ``unspent`` is then what no prefix could take."""
+        """Phase 2, once every tree is planned: the pool over every tree's prefixes; returns
+        the continuations it adds. ``unspent`` is then what no prefix could take."""
         if self.pool_spent:
             raise ValueError("spend_pool runs once per step")
+        if not self.all_planned:
+            raise ValueError("every tree must be planned before spend_pool")
         self.pool_spent = True
         cap = self.allocator.max_continuations_per_prefix
         if self.random:
             flat = [c for cs in self._counts for c in cs]
-            self.unspent = self.pool_returned - draw_random(flat, self.pool_returned,
-                                                            self.allocator._rng, cap)
+            rng = np.random.default_rng([self._base, len(self.trees)])
+            self.unspent = self.pool_returned - draw_random(flat, self.pool_returned, rng, cap)
             new = unflatten(flat, [len(cs) for cs in self._counts])
         else:
             new, self.unspent = spend_pool(self._pairs, self._counts, self.pool_returned, cap)
@@ -437,10 +455,10 @@ class PrefixPlanner:
         return out
 
     def result(self) -> PrefixPlan:
-        """The counts so far as a ``PrefixPlan`` keyed ``(index in planned order, node id)``."""
+        """The counts so far as a ``PrefixPlan`` keyed ``(index in step order, node id)``."""
         plan = PrefixPlan(pool_returned=self.pool_returned, unspent=self.unspent)
         for ti, (nodes, counts) in enumerate(zip(self._prefixes, self._counts)):
-            for node, c in zip(nodes, counts):
+            for node, c in zip(nodes or [], counts):
                 if c:
                     plan.continuations[(ti, node.id)] = c
         return plan

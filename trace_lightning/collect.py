@@ -11,9 +11,12 @@ the ``RolloutStep`` for the monitoring callbacks.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from trace_lightning.advantage import assign_advantages
 from trace_lightning.allocators import Allocator, RootPlan
@@ -91,7 +94,7 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     rank, world = shard
     opened = [(t, m) for t, m in zip(trees, plan.rollouts) if m > 0][rank::world]
     chosen = [t for t, _ in opened]
-    planner = (allocator.prefix_planner(plan.cold_start)
+    planner = (allocator.prefix_planner(chosen, plan.cold_start)
                if allocator.kind in ("random_tree", "trace", "oracle") else None)
 
     def branch(done: list[RolloutTree]) -> list[Start]:
@@ -102,7 +105,7 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
             predict(done)
         seconds["predict"] += time.perf_counter() - tic
         starts = [Start(t, node, k) for t, node, k in planner.plan(done)]
-        if len(planner.trees) == len(chosen) and not planner.pool_spent:
+        if planner.all_planned and not planner.pool_spent:
             starts += [Start(t, node, k) for t, node, k in planner.spend_pool()]
             extra = [0] * len(chosen)
             for i in range(planner.unspent if chosen else 0):
@@ -138,6 +141,8 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:
     """Success odds estimated by ``samples`` extra rollouts from each node (not counted in any
     budget): the predictions of a perfect predictor, for the ``oracle`` allocator."""
 
+    calls = itertools.count()
+
     def predict(trees: list[RolloutTree]) -> None:
         probes, targets = [], []
         for t in trees:
@@ -148,7 +153,10 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:
                 probe.root.depth = n.depth  # the turn limit counts from the real depth
                 probes.append(probe)
                 targets.append(n)
-        loop.expand([Start(p, 0, samples) for p in probes], seed=seed)
+        # a seed per call: stage 2 calls once per turn, and probe i of two calls must not
+        # draw the same samples
+        call_seed = int(np.random.SeedSequence([seed, next(calls)]).generate_state(1)[0])
+        loop.expand([Start(p, 0, samples) for p in probes], seed=call_seed)
         for p, n in zip(probes, targets):
             rewards = [leaf.reward for leaf in p.leaves()]
             n.prediction = sum(rewards) / len(rewards)

@@ -374,8 +374,8 @@ class TraceDataModule(L.LightningDataModule):
 
         step = collect_step(loop, self.allocator, candidates, predict=predict,
                             predictor_nodes_seen=module.predictor_nodes_seen, epoch=epoch,
-                            # stage 1 samples with seed, stage 2 with seed + 1: 2 * rank keeps
-                            # every rank's streams apart
+                            # one expand samples with seed (the two-wave schedule's second
+                            # with seed + 1): 2 * rank keeps every rank's streams apart
                             seed=int(self._rng.integers(2**31 - 1)) + 2 * rank,
                             advantage=self.advantage, shard=(rank, world),
                             agree=from_rank0 if world > 1 else None,
