@@ -61,7 +61,12 @@ def test_flashrag_form(tmp_path):
     ('{"id": "2", "question": "  ", "answers": ["a"]}', r"dev\.jsonl:3 \(id '2'\) has an empty"),
     ('{"id": "2", "question": "Q?", "answers": []}', r"dev\.jsonl:3 \(id '2'\) has no non-empty"),
     ('{"id": "2", "question": "Q?", "answers": [""]}', r"dev\.jsonl:3 \(id '2'\) has no non-empty"),
-    ('{"id": "2", "question": "Q?"}', r"dev\.jsonl:3 \(id '2'\): \"golden_answers\" must be"),
+    ('{"id": "2", "question": "Q?"}',
+     r"dev\.jsonl:3 \(id '2'\) has neither \"answers\" nor \"golden_answers\";"),
+    ('{"id": "2", "question": "Q?", "answer": "a"}',
+     r"has neither .* \(it has \"answer\": use a list, \"answers\": \[\"...\"\]\)"),
+    ('{"id": "2", "question": "Q?", "answers": [NaN]}', r"\"answers\" must be a list of str"),
+    ('{"id": "2", "question": "Q?", "answers": ["a", Infinity]}', r"\"answers\" must be a"),
     ('{"id": "2", "question": "Q?", "answers": "a"}', r"dev\.jsonl:3 \(id '2'\): \"answers\" must"),
     ('{"question": "Q?", "answers": ["a"]}', r"dev\.jsonl:3 has no string \"id\""),
     ('["a"]', r"dev\.jsonl:3 is a JSON list"),
@@ -86,6 +91,24 @@ def test_a_line_that_is_not_utf8_is_named(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"QA file .*absent\.jsonl does not exist"):
         load_qa(tmp_path / "absent.jsonl")
+    with pytest.raises(IsADirectoryError, match=r"QA file .* is a directory, not a file; pass "
+                                                r"the JSONL inside it"):
+        load_qa(tmp_path)
+
+
+def test_gzip_and_byte_order_mark(tmp_path):
+    """A gzip file says to decompress it (not "convert from Latin-1"); a UTF-8 byte-order
+    mark on line 1 (Windows editors) is skipped."""
+    import gzip
+
+    record = b'{"id": "1", "question": "Q?", "answers": ["a"]}\n'
+    zipped = tmp_path / "dev.jsonl.gz"
+    zipped.write_bytes(gzip.compress(record))
+    with pytest.raises(ValueError, match=r"dev\.jsonl\.gz is gzip-compressed.*gunzip -k"):
+        load_qa(zipped)
+    bom = tmp_path / "dev.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + record)
+    assert [e.id for e in load_qa(bom)] == ["1"]
 
 
 def test_split_is_stable_disjoint_and_near_the_fraction(shared_data):

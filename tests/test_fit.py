@@ -421,8 +421,8 @@ def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_d
                          corpus=str(hotpot / "corpus.jsonl"), policy_path=str(demo_dir / "model"),
                          allocator=uniform, val=[val])
     dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
-    with pytest.raises(ValueError, match=r"'hotpotqa' holds 1 questions, fewer than the 2 "
-                                         r"processes"):
+    with pytest.raises(ValueError, match=r"'hotpotqa' \(.*dev_distractor.jsonl\) holds 1 "
+                                         r"questions, fewer than the 2 processes"):
         dm.setup("validate")
     assert dm.engine is None  # nothing started
 
@@ -479,6 +479,44 @@ def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, d
     with pytest.raises(ValueError, match=r"both --data.corpus \('.*corpus.jsonl'\) and "
                                          r"--data.retriever_url \('http://127.0.0.1:1'\)"):
         TraceDataModule(**common, **corpus, retriever_url="http://127.0.0.1:1")
+
+
+def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_dir, tmp_path):
+    """A validation corpus with a line that is not JSON fails at setup, before the engine
+    starts (it used to fail at the first validation, epochs into a run, before that epoch's
+    checkpoint); so does a corpus passed as a folder. A malformed retriever URL, a timeout
+    that is not finite and an unknown demo option fail at construction, naming the flag."""
+    from trace_lightning.data import TraceDataModule
+    from trace_lightning.data_config import DemoConfig, EvalSet
+
+    hotpot = shared_data / "hotpotqa"
+    bad = tmp_path / "bad_corpus.jsonl"
+    bad.write_text('{"id": "1", "contents": "A\\nfine passage"}\nnot json\n')
+    common = dict(train=str(hotpot / "dev_distractor.jsonl"), policy_path=str(demo_dir / "model"),
+                  corpus=str(hotpot / "corpus.jsonl"))
+    dm = TraceDataModule(**common, val=[EvalSet("v", str(hotpot / "dev_distractor.jsonl"),
+                                                corpus=str(bad), limit=4)])
+    with pytest.raises(ValueError, match=r"bad_corpus.jsonl.*line 2|bad_corpus.jsonl:2"):
+        dm.setup("fit")
+    assert dm.engine is None
+    dm = TraceDataModule(**{**common, "corpus": str(hotpot)})
+    with pytest.raises(IsADirectoryError, match=r"--data.corpus: corpus '.*hotpotqa' is a "
+                                                r"directory, not a file"):
+        dm.setup("fit")
+    no_corpus = {k: v for k, v in common.items() if k != "corpus"}
+    with pytest.raises(ValueError, match=r"--data.retriever_url \('127.0.0.1:8000'\) is not an "
+                                         r"http\(s\) address"):
+        TraceDataModule(**no_corpus, retriever_url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match=r"--data.retriever_timeout_s \(nan\) must be"):
+        TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
+                        retriever_timeout_s=float("nan"))
+    demo = DemoConfig(out_dir=str(tmp_path / "demo"), options={"n_peple": 5})
+    with pytest.raises(ValueError, match=r"--data.demo.options: 'n_peple' is not an option.*"
+                                         r"n_people"):
+        TraceDataModule(demo=demo, policy_path=str(tmp_path / "demo" / "model"))
+    demo = DemoConfig(out_dir=str(tmp_path / "demo"), options={"seed": 5})
+    with pytest.raises(ValueError, match=r"sets 'seed', which is --data.demo.seed"):
+        TraceDataModule(demo=demo, policy_path=str(tmp_path / "demo" / "model"))
 
 
 def test_optimizer_flags_are_not_offered(capsys):

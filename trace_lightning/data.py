@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
+import urllib.parse
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -164,7 +166,16 @@ class TraceDataModule(L.LightningDataModule):
         if self.oracle_samples < 1:
             raise ValueError(f"--data.oracle_samples ({self.oracle_samples}) must be >= 1: the "
                              f"rollouts per node that estimate its success for 'oracle'")
-        if self.retriever_timeout_s <= 0 or self.retriever_retries < 0:
+        if self.retriever_url:
+            parts = urllib.parse.urlsplit(self.retriever_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"--data.retriever_url ({self.retriever_url!r}) is not an "
+                                 f"http(s) address; give the server's, e.g. "
+                                 f"http://127.0.0.1:8000 (`trace-lightning-retriever`)")
+        if self.demo is not None:
+            self._check_demo_options()
+        if (not math.isfinite(self.retriever_timeout_s) or self.retriever_timeout_s <= 0
+                or self.retriever_retries < 0):
             raise ValueError(f"--data.retriever_timeout_s ({self.retriever_timeout_s}) must be "
                              f"> 0 and --data.retriever_retries ({self.retriever_retries}) "
                              f">= 0: seconds one request may take, and extra attempts")
@@ -179,6 +190,23 @@ class TraceDataModule(L.LightningDataModule):
             raise ValueError(f"--data.candidates_per_step ({self.candidates_per_step}) is smaller "
                              f"than the {needed} prompts allocator {self.allocator.kind!r} needs "
                              f"per step; raise it or lower --data.allocator.roots")
+
+    def _check_demo_options(self) -> None:
+        """``--data.demo.options`` holds keyword arguments ``prepare_demo`` takes, and none that
+        ``--data.demo`` sets itself."""
+        import inspect
+
+        from trace_lightning.demo.prepare import prepare_demo
+
+        own = {"out_dir", "seed", "eval_seed", "warm_start_steps"}
+        known = set(inspect.signature(prepare_demo).parameters) - own
+        for key in self.demo.options:
+            if key in own:
+                raise ValueError(f"--data.demo.options sets {key!r}, which is --data.demo.{key} "
+                                 f"itself; set that instead")
+            if key not in known:
+                raise ValueError(f"--data.demo.options: {key!r} is not an option of the demo "
+                                 f"world; known: {', '.join(sorted(known))}")
 
     # ---- Lightning hooks ----------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -225,13 +253,21 @@ class TraceDataModule(L.LightningDataModule):
                                           for e in load_qa(v.path, limit=v.limit)]
                                  for v in self.val_sets}
         world = self._rank[1]
-        for name, examples in self.val_examples.items():
+        for v in self.val_sets:
+            examples = self.val_examples[v.name]
             if len(examples) < world:
                 raise ValueError(
-                    f"validation set {name!r} holds {len(examples)} questions, fewer than the "
-                    f"{world} processes: one without any would skip validation while the "
-                    f"others wait for it to gather accuracy (a hang); give it at least {world} "
-                    f"(its limit in --data.val) or leave it out")
+                    f"validation set {v.name!r} ({v.path}) holds {len(examples)} questions, "
+                    f"fewer than the {world} processes: one without any would skip validation "
+                    f"while the others wait for it to gather accuracy (a hang); give it at "
+                    f"least {world} (its limit in --data.val) or leave it out")
+        # corpora are read (and indexed, cached on disk) now: a bad line fails before the
+        # engine starts, not at the first rollout or validation epochs later
+        if stage == "fit" and not self.retriever_url:
+            self._retriever(None)
+        for v in self.val_sets:
+            if v.corpus:
+                self._retriever(v.corpus)
         if self.engine is None:
             from transformers import AutoTokenizer
 
@@ -261,6 +297,9 @@ class TraceDataModule(L.LightningDataModule):
         for flag, what, path in named:
             if demo_dir is not None and path and demo_dir in Path(path).resolve().parents:
                 continue
+            if path and Path(path).is_dir():
+                raise IsADirectoryError(f"{flag}: {what} {path!r} is a directory, not a file; "
+                                        f"give the path of the JSONL inside it")
             if path and not Path(path).is_file():
                 line = "passage" if what == "corpus" else "question"
                 raise FileNotFoundError(f"{flag}: {what} {path!r} does not exist; give the "

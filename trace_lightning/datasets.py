@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,10 +59,16 @@ def _parse(record: object, where: str, dataset: str) -> QAExample:
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"{where} (id {qid!r}) has an empty or missing \"question\" "
                          f"({question!r}); {_SCHEMA}")
+    if "answers" not in record and "golden_answers" not in record:
+        hint = (' (it has "answer": use a list, "answers": ["..."])' if "answer" in record
+                else "")
+        raise ValueError(f"{where} (id {qid!r}) has neither \"answers\" nor "
+                         f"\"golden_answers\"{hint}; {_SCHEMA}")
     key = "answers" if "answers" in record else "golden_answers"
     raw = record.get(key)
     if not isinstance(raw, list) or not all(
-            isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in raw):
+            isinstance(a, (str, int, float)) and not isinstance(a, bool)
+            and not (isinstance(a, float) and not math.isfinite(a)) for a in raw):
         raise ValueError(f"{where} (id {qid!r}): \"{key}\" must be a list of strings, got "
                          f"{json.dumps(raw)[:100]}; {_SCHEMA}")
     answers = [str(a) for a in raw if str(a).strip()]
@@ -84,6 +91,9 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
         limit: keep the first ``limit`` examples only; None = all.
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"QA file {path} is a directory, not a file; pass the JSONL "
+                                f"inside it, e.g. {path / 'dev_distractor.jsonl'}")
     if not path.is_file():
         raise FileNotFoundError(f"QA file {path} does not exist; pass a JSONL of QA records, "
                                 f"e.g. ../shared/data/hotpotqa/dev_distractor.jsonl")

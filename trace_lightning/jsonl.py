@@ -11,14 +11,21 @@ def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
 
     Decoded line by line (not by the file object's buffer), so a line that is not UTF-8 (a
     Latin-1 export) is a ValueError naming the file and the line, not a ``UnicodeDecodeError``
-    at a byte offset into some buffer.
+    at a byte offset into some buffer. A UTF-8 byte-order mark is skipped; a gzip file is a
+    ValueError that says to decompress it.
     """
     with Path(path).open("rb") as f:
+        if f.read(2) == b"\x1f\x8b":
+            raise ValueError(f"{path} is gzip-compressed, not JSONL text; decompress it first "
+                             f"(`gunzip -k {path}`) and pass the .jsonl")
+        f.seek(0)
         for line_no, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{line_no} is not UTF-8 ({e}); convert the file, e.g. "
                                  f"`iconv -f latin1 -t utf-8`") from None
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark (Windows editors)
             if line.strip():
                 yield line_no, line
