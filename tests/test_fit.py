@@ -485,7 +485,8 @@ def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_d
     """A validation corpus with a line that is not JSON fails at setup, before the engine
     starts (it used to fail at the first validation, epochs into a run, before that epoch's
     checkpoint); so does a corpus passed as a folder. A malformed retriever URL, a timeout
-    that is not finite and an unknown demo option fail at construction, naming the flag."""
+    that is not finite and an unknown demo option fail at construction, naming the flag (the
+    last when the CLI parses --data.demo)."""
     from trace_lightning.data import TraceDataModule
     from trace_lightning.data_config import DemoConfig, EvalSet
 
@@ -510,13 +511,11 @@ def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_d
     with pytest.raises(ValueError, match=r"--data.retriever_timeout_s \(nan\) must be"):
         TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
                         retriever_timeout_s=float("nan"))
-    demo = DemoConfig(out_dir=str(tmp_path / "demo"), options={"n_peple": 5})
     with pytest.raises(ValueError, match=r"--data.demo.options: 'n_peple' is not an option.*"
                                          r"n_people"):
-        TraceDataModule(demo=demo, policy_path=str(tmp_path / "demo" / "model"))
-    demo = DemoConfig(out_dir=str(tmp_path / "demo"), options={"seed": 5})
+        DemoConfig(out_dir=str(tmp_path / "demo"), options={"n_peple": 5})
     with pytest.raises(ValueError, match=r"sets 'seed', which is --data.demo.seed"):
-        TraceDataModule(demo=demo, policy_path=str(tmp_path / "demo" / "model"))
+        DemoConfig(out_dir=str(tmp_path / "demo"), options={"seed": 5})
 
 
 def test_optimizer_flags_are_not_offered(capsys):

@@ -172,8 +172,6 @@ class TraceDataModule(L.LightningDataModule):
                 raise ValueError(f"--data.retriever_url ({self.retriever_url!r}) is not an "
                                  f"http(s) address; give the server's, e.g. "
                                  f"http://127.0.0.1:8000 (`trace-lightning-retriever`)")
-        if self.demo is not None:
-            self._check_demo_options()
         if (not math.isfinite(self.retriever_timeout_s) or self.retriever_timeout_s <= 0
                 or self.retriever_retries < 0):
             raise ValueError(f"--data.retriever_timeout_s ({self.retriever_timeout_s}) must be "
@@ -190,23 +188,6 @@ class TraceDataModule(L.LightningDataModule):
             raise ValueError(f"--data.candidates_per_step ({self.candidates_per_step}) is smaller "
                              f"than the {needed} prompts allocator {self.allocator.kind!r} needs "
                              f"per step; raise it or lower --data.allocator.roots")
-
-    def _check_demo_options(self) -> None:
-        """``--data.demo.options`` holds keyword arguments ``prepare_demo`` takes, and none that
-        ``--data.demo`` sets itself."""
-        import inspect
-
-        from trace_lightning.demo.prepare import prepare_demo
-
-        own = {"out_dir", "seed", "eval_seed", "warm_start_steps"}
-        known = set(inspect.signature(prepare_demo).parameters) - own
-        for key in self.demo.options:
-            if key in own:
-                raise ValueError(f"--data.demo.options sets {key!r}, which is --data.demo.{key} "
-                                 f"itself; set that instead")
-            if key not in known:
-                raise ValueError(f"--data.demo.options: {key!r} is not an option of the demo "
-                                 f"world; known: {', '.join(sorted(known))}")
 
     # ---- Lightning hooks ----------------------------------------------------------------
     def prepare_data(self) -> None:

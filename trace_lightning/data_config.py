@@ -119,5 +119,21 @@ class DemoConfig:
     warm_start_steps: int = 300
     options: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """``options`` holds keyword arguments ``prepare_demo`` takes, none set here."""
+        import inspect
+
+        from trace_lightning.demo.prepare import prepare_demo
+
+        own = {"out_dir", "seed", "eval_seed", "warm_start_steps"}
+        known = set(inspect.signature(prepare_demo).parameters) - own
+        for key in self.options:
+            if key in own:
+                raise ValueError(f"--data.demo.options sets {key!r}, which is --data.demo.{key} "
+                                 f"itself; set that instead")
+            if key not in known:
+                raise ValueError(f"--data.demo.options: {key!r} is not an option of the demo "
+                                 f"world; known: {', '.join(sorted(known))}")
+
 
 __all__ = ["DemoConfig", "EngineConfig", "EnvConfig", "EvalSet"]
