@@ -171,7 +171,8 @@ def test_a_relative_policy_path_from_another_directory_names_the_flag(trained, m
         main(["last.ckpt", "out"])
     msg = str(e.value)
     assert msg.startswith("trace-lightning-export: last.ckpt records "
-                          "model.policy_path=runs/demo/model, which does not exist from ")
+                          "model.policy_path=runs/demo/model, which does not exist (as a "
+                          "directory) from ")
     assert str(tmp_path) in msg and "pass --policy-path DIR" in msg
     with pytest.raises(SystemExit, match="--policy-path elsewhere/demo/model does not exist"):
         main(["last.ckpt", "out", "--policy-path", "elsewhere/demo/model"])
@@ -235,6 +236,111 @@ def test_checkpoint_errors_name_the_path_and_the_fix(tmp_path):
     torch.save({"weights": 1}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not a Lightning checkpoint"):
         export_checkpoint(tmp_path / "other.pt", tmp_path / "out")
+
+
+def save_checkpoint(path: Path, model, policy_path) -> Path:
+    """A Lightning checkpoint file of ``model`` as a TraceModule's policy."""
+    module = {f"policy.{k}": v for k, v in model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": module, "hyper_parameters": {"policy_path": str(policy_path)}},
+               path)
+    return path
+
+
+def test_only_an_empty_directory_or_a_previous_export_is_replaced(trained, model_dir, tmp_path,
+                                                                  capsys):
+    """``trace-lightning-export run/checkpoints/last.ckpt run`` replaced (deleted) the run
+    directory, its checkpoint and its base model with it."""
+    run = tmp_path / "run"
+    ckpt = save_checkpoint(run / "checkpoints" / "last.ckpt", trained, model_dir)
+    base = Path(shutil.copytree(model_dir, run / "world" / "model"))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+
+    with pytest.raises(SystemExit) as e:  # out holds the checkpoint
+        main([str(ckpt), str(run), "--policy-path", str(model_dir)])
+    assert str(e.value) == (f"trace-lightning-export: output directory {run} holds {ckpt}, "
+                            f"which this export reads: replacing {run} would delete it; "
+                            f"choose a new directory for the export")
+    with pytest.raises(SystemExit, match=f"{run} holds {base}, which this export reads"):
+        main([str(tmp_path / "x.ckpt"), str(run), "--policy-path", str(base)])
+    with pytest.raises(SystemExit) as e:  # a directory of the user's own
+        main([str(ckpt), str(tmp_path / "notes")])
+    assert str(e.value) == (f"trace-lightning-export: output directory {tmp_path / 'notes'} "
+                            f"exists and is not a previous export (no {META_FILE} in it), so "
+                            f"replacing it would delete its files; choose a new directory, or "
+                            f"delete {tmp_path / 'notes'} yourself")
+    with pytest.raises(FileExistsError, match="notes exists and is not a previous export"):
+        save_policy(trained.state_dict(), model_dir, tmp_path / "notes")  # ExportPolicy's way
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+    (tmp_path / "empty").mkdir()
+    main([str(ckpt), str(tmp_path / "empty")])
+    main([str(ckpt), str(tmp_path / "empty"), "--dtype", "bfloat16"])  # a previous export
+    assert capsys.readouterr().out.count(f"policy written to {tmp_path / 'empty'}") == 2
+    assert_same_weights(tmp_path / "empty", trained, dtype=torch.bfloat16)
+    with pytest.raises(SystemExit, match="empty holds .*empty, which this export reads"):
+        main([str(ckpt), str(tmp_path / "empty"), "--policy-path", str(tmp_path / "empty")])
+    assert_same_weights(tmp_path / "empty", trained, dtype=torch.bfloat16)
+
+
+def broken_checkpoints(tmp_path: Path, trained, model_dir) -> dict[str, Path]:
+    whole = save_checkpoint(tmp_path / "whole.ckpt", trained, model_dir).read_bytes()
+    files = {"text.ckpt": b"I am not a checkpoint\n", "empty.ckpt": b"",
+             "random.ckpt": torch.randint(0, 256, (4096,), dtype=torch.uint8,
+                                          generator=torch.Generator().manual_seed(0))
+             .numpy().tobytes(),
+             "truncated.ckpt": whole[:len(whole) // 2]}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    return {name: tmp_path / name for name in files}
+
+
+def test_a_broken_checkpoint_file_names_itself_and_the_fix(trained, model_dir, tmp_path):
+    """Garbage text, random bytes, an empty or a cut-off file ended in torch's raw
+    ValueError, UnpicklingError, EOFError or RuntimeError tracebacks, naming no file."""
+    for name, path in broken_checkpoints(tmp_path, trained, model_dir).items():
+        with pytest.raises(SystemExit) as e:
+            main([str(path), str(tmp_path / "out")])
+        msg = str(e.value)
+        assert msg.startswith(f"trace-lightning-export: {path} does not load as a "
+                              f"checkpoint ("), name
+        assert msg.endswith("give the .ckpt file or directory Lightning wrote"), name
+        assert "\n" not in msg and len(msg) < 400, name
+    torch.save(torch.ones(3), tmp_path / "tensor.ckpt")
+    with pytest.raises(SystemExit, match="tensor.ckpt holds a Tensor, not a Lightning checkpoint"):
+        main([str(tmp_path / "tensor.ckpt"), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_dtype_fails_before_the_checkpoint_is_read(trained, model_dir, tmp_path,
+                                                         monkeypatch):
+    ckpt = save_checkpoint(tmp_path / "last.ckpt", trained, model_dir)
+    loads = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or {})
+    with pytest.raises(SystemExit, match=r"trace-lightning-export: --dtype / ExportPolicy dtype "
+                                         r"\('bf16'\) is not a floating torch dtype"):
+        main([str(ckpt), str(tmp_path / "out"), "--dtype", "bf16"])
+    assert loads == []
+
+
+def test_a_policy_path_without_a_model_names_the_flag_or_the_checkpoint(trained, tmp_path):
+    """An existing directory that holds no model: transformers' ValueError named neither."""
+    (tmp_path / "nomodel").mkdir()
+    ckpt = save_checkpoint(tmp_path / "last.ckpt", trained, tmp_path / "nomodel")
+    with pytest.raises(SystemExit) as e:
+        main([str(ckpt), str(tmp_path / "out")])
+    assert str(e.value).startswith(
+        f"trace-lightning-export: {ckpt} records model.policy_path={tmp_path / 'nomodel'}, which "
+        f"does not load as a transformers config and tokenizer (ValueError: ")
+    assert str(e.value).endswith("; pass --policy-path DIR (the directory the run's policy was "
+                                 "loaded from)")
+    with pytest.raises(SystemExit, match=f"--policy-path {tmp_path / 'nomodel'} does not load "
+                                         f"as a transformers config and tokenizer"):
+        main([str(ckpt), str(tmp_path / "out"), "--policy-path", str(tmp_path / "nomodel")])
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_callback_every_n_epochs_and_at_the_end(model_dir, tmp_path):

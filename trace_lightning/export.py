@@ -13,7 +13,8 @@ The directory holds the policy's config and weights (safetensors), the tokenizer
 generation config (eos ids, sampling defaults) from the run's ``policy_path``, and
 ``trace_lightning.json`` (what it was exported from). It is written next to its destination
 and renamed into place, so an interrupted export never leaves half a model where a complete
-one was.
+one was. Only an empty directory or a previous export (one holding ``trace_lightning.json``)
+is replaced, never one that holds the checkpoint or the policy_path being read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import textwrap
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,7 +78,8 @@ def save_policy(state: dict[str, torch.Tensor], policy_path: str | Path, out: st
     Args:
         state: the policy's full weights.
         policy_path: the run's ``model.policy_path``: its config (architecture) and tokenizer.
-        out: the directory to write; replaced if it exists.
+        out: the directory to write; if it exists it must be empty or a previous export
+            (see ``check_out``), which is replaced.
         dtype: cast the weights ("bfloat16", "float16", "float32", "float64"); None keeps
             the trained dtype (fp32 master weights stay fp32).
         meta: more to record in ``trace_lightning.json`` (step, epoch, source).
@@ -84,6 +88,7 @@ def save_policy(state: dict[str, torch.Tensor], policy_path: str | Path, out: st
 
     out = Path(out)
     cast = export_dtype(dtype)
+    check_out(out, [policy_path])
     if cast is not None:
         state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
     config = AutoConfig.from_pretrained(policy_path)
@@ -105,6 +110,27 @@ def save_policy(state: dict[str, torch.Tensor], policy_path: str | Path, out: st
     (tmp / META_FILE).write_text(json.dumps(info, indent=1) + "\n")
     _replace(tmp, out)
     return out
+
+
+def check_out(out: str | Path, sources: Iterable[str | Path | None] = ()) -> None:
+    """Refuse an ``out`` whose replacement would lose data: it may be missing, an empty
+    directory or a previous export (holding ``trace_lightning.json``), and may not be or hold
+    one of ``sources`` (the checkpoint and policy_path being read)."""
+    out = Path(out)
+    for source in sources:
+        if source is None or not Path(source).exists():  # None, or a hub id
+            continue
+        resolved = Path(source).resolve()
+        if resolved == out.resolve() or out.resolve() in resolved.parents:
+            raise FileExistsError(
+                f"output directory {out} holds {source}, which this export reads: replacing "
+                f"{out} would delete it; choose a new directory for the export")
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir())
+                                               or (out / META_FILE).is_file())):
+        raise FileExistsError(
+            f"output directory {out} exists and is not a previous export (no {META_FILE} in "
+            f"it), so replacing it would delete its files; choose a new directory, or delete "
+            f"{out} yourself")
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -168,18 +194,40 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise FileNotFoundError(f"checkpoint {path} does not exist; runs write it under "
                                 f"<default_root_dir>/tensorboard/version_N/checkpoints/")
     if path.is_file():
-        # a trace-lightning checkpoint holds the DataModule's numpy RNG state, which
-        # weights_only loading refuses: load only checkpoints you wrote yourself
-        data = torch.load(path, map_location="cpu", weights_only=False)
+        data = _torch_load(path)
         if "state_dict" not in data:
-            raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
+            raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict'); give "
+                             f"the .ckpt file or directory Lightning wrote")
         return data["state_dict"], data.get("hyper_parameters", {})
     meta_file = path / "meta.pt"
     if not meta_file.exists():
         raise ValueError(f"{path} is a directory without meta.pt: not a sharded Lightning "
                          f"checkpoint; give the .ckpt file or directory Lightning wrote")
-    meta = torch.load(meta_file, map_location="cpu", weights_only=False)
+    meta = _torch_load(meta_file)
     return _read_sharded_model(path), meta.get("hyper_parameters", {})
+
+
+def _torch_load(path: Path) -> dict:
+    """``torch.load`` of a checkpoint file; one that does not load, or holds no dict, is a
+    ValueError naming the file (torch's own errors name neither it nor the fix)."""
+    try:
+        # a trace-lightning checkpoint holds the DataModule's numpy RNG state, which
+        # weights_only loading refuses: load only checkpoints you wrote yourself
+        data = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # unpickling garbage raises nearly anything: ValueError,
+        # UnpicklingError, EOFError, AttributeError; a cut-off zip a RuntimeError
+        raise ValueError(f"{path} does not load as a checkpoint ({_reason(e)}); it is damaged, "
+                         f"cut short (an interrupted save or copy) or not a checkpoint: give "
+                         f"the .ckpt file or directory Lightning wrote") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a Lightning checkpoint; "
+                         f"give the .ckpt file or directory Lightning wrote")
+    return data
+
+
+def _reason(e: BaseException) -> str:
+    """A library's exception on one short line, for our own message."""
+    return textwrap.shorten(f"{type(e).__name__}: {e}", width=120, placeholder=" ...")
 
 
 def _read_sharded_model(path: Path) -> dict[str, torch.Tensor]:
@@ -203,18 +251,27 @@ def _read_sharded_model(path: Path) -> dict[str, torch.Tensor]:
 
 def _check_policy_path(policy_path: str, ckpt: str | Path, given: bool) -> None:
     """Fail before transformers does (its error names neither the flag nor the checkpoint)
-    when ``policy_path`` is local (``is_local_path``) but not a directory: typically a
-    relative path recorded by a run started from another working directory."""
-    if not is_local_path(policy_path) or Path(policy_path).is_dir():
-        return
+    when ``policy_path`` is local (``is_local_path``) but not a directory, typically a
+    relative path recorded by a run started from another working directory, or when its
+    config or tokenizer does not load (no config.json, a hub id not downloaded)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if is_local_path(policy_path) and not Path(policy_path).is_dir():
+        problem = f"does not exist (as a directory) from {Path.cwd()}"
+    else:
+        try:
+            AutoConfig.from_pretrained(policy_path)
+            AutoTokenizer.from_pretrained(policy_path)
+            return
+        except (OSError, ValueError) as e:
+            problem = f"does not load as a transformers config and tokenizer ({_reason(e)})"
     if given:
         raise FileNotFoundError(
-            f"--policy-path {policy_path} does not exist (as a directory) from {Path.cwd()}; "
-            f"give the directory the run's policy was loaded from (or a hub id, owner/name)")
+            f"--policy-path {policy_path} {problem}; give the directory the run's policy was "
+            f"loaded from (or a hub id, owner/name)")
     raise FileNotFoundError(
-        f"{ckpt} records model.policy_path={policy_path}, which does not exist from "
-        f"{Path.cwd()}; pass --policy-path DIR (the directory the run's policy was loaded "
-        f"from)")
+        f"{ckpt} records model.policy_path={policy_path}, which {problem}; pass --policy-path "
+        f"DIR (the directory the run's policy was loaded from)")
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str | None = None,
@@ -223,7 +280,10 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str | None = Non
 
     ``policy_path`` (``--policy-path``) overrides the run's recorded ``model.policy_path``.
     Either must be an existing directory or a hub id; what ``is_local_path`` calls local but
-    is not a directory is an error naming ``--policy-path``."""
+    is not a directory is an error naming ``--policy-path``. ``dtype`` and ``out`` are
+    checked before the checkpoint is read."""
+    export_dtype(dtype)
+    check_out(out, [ckpt, policy_path])
     module_state, hparams = read_checkpoint(ckpt)
     given = bool(policy_path)
     policy_path = policy_path or hparams.get("policy_path")
@@ -241,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         description="Write a trace-lightning checkpoint's policy as a Hugging Face directory "
                     "(transformers, vLLM).")
     p.add_argument("ckpt", help="last.ckpt (a file) or a sharded FSDP checkpoint directory")
-    p.add_argument("out", help="directory to write (replaced if it exists)")
+    p.add_argument("out", help=f"directory to write; if it exists it must be empty or a "
+                                f"previous export (holding {META_FILE}), which is replaced")
     p.add_argument("--dtype", default=None,
                    help="cast weights, e.g. bfloat16 (default: as trained)")
     p.add_argument("--policy-path", default=None,
@@ -249,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     try:
         out = export_checkpoint(args.ckpt, args.out, args.dtype, args.policy_path)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # ours name the file or flag and the fix
         raise SystemExit(f"trace-lightning-export: {e}") from e
     print(f"policy written to {out}")
 
