@@ -511,6 +511,12 @@ def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_d
     with pytest.raises(ValueError, match=r"--data.retriever_timeout_s \(nan\) must be"):
         TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
                         retriever_timeout_s=float("nan"))
+    with pytest.raises(ValueError, match=r"--data.retriever_reconnect_wait_s \(inf\) must be"):
+        TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
+                        retriever_reconnect_wait_s=float("inf"))
+    dm = TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
+                         retriever_reconnect_wait_s=4.5)
+    assert dm._retriever(None).reconnect_wait_s == 4.5  # the flag reaches the client
     with pytest.raises(ValueError, match=r"--data.demo.options: 'n_peple' is not an option.*"
                                          r"n_people"):
         DemoConfig(out_dir=str(tmp_path / "demo"), options={"n_peple": 5})

@@ -207,3 +207,45 @@ def test_a_validation_set_on_the_training_corpus_shares_its_index(shared_data, t
     assert dm._retriever(None) is training
     assert dm._retriever(str(other)) is not training
     assert len(dm._retrievers) == 2
+
+
+def test_a_corpus_without_any_word_is_named(tmp_path):
+    """Empty or one-letter passages leave bm25s an empty vocabulary (it failed with "max()
+    arg is an empty sequence", naming no file)."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "1", "title": "", "text": "a"}\n{"id": "2", "title": "b", '
+                      '"text": ""}\n{"id": "3", "contents": "\\"x\\"\\nthe of"}\n')
+    with pytest.raises(ValueError, match=r"corpus .*c\.jsonl has no word to index in any of "
+                                         r"its 3 passages: .*one-letter words or English "
+                                         r"stopwords"):
+        BM25Retriever(str(corpus), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="from_documents has no word to index"):
+        BM25Retriever.from_documents([{"id": "1", "title": "", "text": ""}])
+
+
+def test_a_directory_as_corpus_is_named(shared_data):
+    with pytest.raises(IsADirectoryError, match=r"corpus .*hotpotqa is a directory, not a file; "
+                                                r"pass the corpus JSONL inside it, e\.g\. "
+                                                r".*hotpotqa/corpus\.jsonl"):
+        BM25Retriever(str(shared_data / "hotpotqa"))
+
+
+@pytest.mark.parametrize("name, content", [("vocab.index.json", "[1, 2]"),
+                                           ("params.index.json", "3"),
+                                           ("params.index.json", "[1]"),
+                                           ("meta.json", "[]")])
+def test_a_cache_file_of_the_wrong_json_type_is_rebuilt(shared_data, tmp_path, capsys, name,
+                                                        content):
+    """Valid JSON of the wrong type (a list for a dict) is a broken cache like garbage is:
+    warned about and rebuilt (it raised AttributeError or TypeError)."""
+    corpus = tmp_path / "corpus.jsonl"
+    lines = (shared_data / "2wikimultihopqa" / "corpus.jsonl").read_text().splitlines()[:50]
+    corpus.write_text("\n".join(lines) + "\n")
+    first = BM25Retriever(str(corpus), cache_dir=str(tmp_path / "cache"))
+    (first.index_dir / name).write_text(content)
+    second = BM25Retriever(str(corpus), cache_dir=str(tmp_path / "cache"))
+    assert not second.loaded_from_cache
+    assert "ignoring unreadable BM25 cache" in capsys.readouterr().out
+    third = BM25Retriever(str(corpus), cache_dir=str(tmp_path / "cache"))
+    assert third.loaded_from_cache
+    assert third.search(["English cricketer"], 3) == first.search(["English cricketer"], 3)

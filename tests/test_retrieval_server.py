@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -130,7 +131,7 @@ def test_client_raises_a_4xx_at_once_with_the_servers_message(server_url):
 
 def test_server_that_is_down_fails_after_retries_in_bounded_time():
     url = f"http://127.0.0.1:{free_port()}"
-    client = HTTPRetriever(url, timeout_s=1.0, retries=2, backoff_s=0.05)
+    client = HTTPRetriever(url, timeout_s=1.0, retries=2, backoff_s=0.05, reconnect_wait_s=0)
     start = time.monotonic()
     with pytest.raises(RetrieverError) as info:
         client.search(["who"], 3)
@@ -357,13 +358,209 @@ def test_a_stalled_request_does_not_hold_a_server_thread(wiki_retriever, monkeyp
         server.server_close()
 
 
-def test_port_in_use_names_the_flag(shared_data, tmp_path):
-    from trace_lightning.retrieval.server import main
-
+def test_port_in_use_names_the_flag(shared_data, tmp_path, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(SystemExit, match=rf"cannot listen on 127.0.0.1:{port}.*--port"):
-            main(["--corpus", str(shared_data / "hotpotqa" / "corpus.jsonl"),
-                  "--cache-dir", str(tmp_path), "--port", str(port)])
+        error = retriever_main_error(["--corpus", str(shared_data / "hotpotqa" / "corpus.jsonl"),
+                                      "--cache-dir", str(tmp_path), "--port", str(port)], capsys)
+        assert re.match(rf"trace-lightning-retriever: cannot listen on 127.0.0.1:{port}.*--port",
+                        error)
+
+
+def retriever_main_error(argv: list[str], capsys) -> str:
+    """Run ``trace-lightning-retriever`` in process; it must exit with status 2 -> stderr."""
+    from trace_lightning.retrieval.server import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--topk-max", "0"], "--topk-max (0) must be >= 1"),
+    (["--max-body-bytes", "-1"], "--max-body-bytes (-1) must be >= 1"),
+    (["--k1", "-1"], "--k1 (-1.0) must be a finite number >= 0"),
+    (["--k1", "nan"], "--k1 (nan) must be a finite number >= 0"),
+    (["--b", "1.5"], "--b (1.5) must be in [0, 1]"),
+    (["--port", "70000"], "--port (70000) must be in [0, 65535]"),
+])
+def test_retriever_flags_are_checked_before_the_corpus_is_read(tmp_path, capsys, flags,
+                                                               message):
+    """A bad flag fails at once, not after building the index (long on wiki-18): with a
+    corpus that does not exist, the error is still the flag's."""
+    error = retriever_main_error(["--corpus", str(tmp_path / "nope.jsonl"), "--port", "0",
+                                  *flags], capsys)
+    assert error.startswith(f"trace-lightning-retriever: {message}")
+
+
+def test_a_taken_port_is_named_before_the_corpus_is_read(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        error = retriever_main_error(["--corpus", str(tmp_path / "nope.jsonl"),
+                                      "--port", str(port)], capsys)
+    assert error.startswith(f"trace-lightning-retriever: cannot listen on 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("corpus, message", [
+    ("bad.jsonl", r"corpus .*bad\.jsonl line 2 is not JSON"),
+    ("nope.jsonl", r"corpus .*nope\.jsonl does not exist"),
+    (".", r"corpus .* is a directory, not a file"),
+])
+def test_a_bad_corpus_is_one_line_and_frees_the_port(tmp_path, capsys, corpus, message):
+    """No traceback: the message names the file and why; the port bound before the index was
+    built is released."""
+    (tmp_path / "bad.jsonl").write_text('{"id": "1", "title": "A", "text": "alpha"}\nnot json\n')
+    port = free_port()
+    error = retriever_main_error(["--corpus", str(tmp_path / corpus), "--port", str(port),
+                                  "--cache-dir", str(tmp_path / "cache")], capsys)
+    assert re.match(f"trace-lightning-retriever: {message}", error)
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
+
+
+def serve_answer(status: int, payload: object):
+    """A stub server answering every request with ``status`` and ``payload`` as JSON."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.do_GET()
+
+        def do_GET(self):  # noqa: N802
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    return serve_handler(Handler)
+
+
+def test_a_5xx_points_at_the_servers_log_not_at_starting_it():
+    server, url = serve_answer(500, {"error": "retrieval failed: MemoryError: " + "x" * 500})
+    try:
+        client = HTTPRetriever(url, retries=1, backoff_s=0.01)
+        with pytest.raises(RetrieverError) as info:
+            client.search(["who"], 3)
+        message = str(info.value)
+        assert "2 attempt(s)" in message and "HTTP 500: retrieval failed: MemoryError" in message
+        assert "see its log" in message and "Is the server running" not in message
+        assert "x" * 200 not in message  # the body's first 200 characters only
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_wrong_path_names_the_url_flag_not_topk(server_url):
+    """A 404 (e.g. a URL with an extra path) is not about topk: it names --data.retriever_url."""
+    client = HTTPRetriever(server_url + "/api")
+    with pytest.raises(RetrieverError, match=r"HTTP 404.*Search-R1 retriever.*check "
+                                             r"--data.retriever_url"):
+        client.search(["who"], 3)
+    with pytest.raises(RetrieverError) as info:
+        client.check(3)
+    assert "--data.retriever_url" in str(info.value) and "--data.env.topk" not in str(info.value)
+    server, url = serve_answer(405, {"error": "method not allowed"})
+    try:
+        with pytest.raises(RetrieverError, match=r"HTTP 405.*--data.retriever_url"):
+            HTTPRetriever(url).search(["who"], 3)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_score_that_is_not_a_number_is_named():
+    doc = {"id": "7", "contents": '"Lee Mantle"\nLee Mantle was a Senator.'}
+    server, url = serve_answer(200, {"result": [[{"document": doc, "score": "high"}]]})
+    try:
+        with pytest.raises(RetrieverError, match=rf"retriever {url}/retrieve result\[0\]\[0\] "
+                                                 r"has a \"score\" that is not a number "
+                                                 r"\('high'\)"):
+            HTTPRetriever(url).search(["who"], 3)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0])
+def test_a_timeout_that_is_not_a_finite_positive_number_names_the_flag(value):
+    with pytest.raises(ValueError, match=rf"timeout_s \(--data.retriever_timeout_s\) is "
+                                         rf"{value}; it must be a finite number"):
+        HTTPRetriever("http://127.0.0.1:1", timeout_s=value)
+    with pytest.raises(ValueError, match="reconnect_wait_s is nan"):
+        HTTPRetriever("http://127.0.0.1:1", reconnect_wait_s=float("nan"))
+
+
+def test_search_waits_for_a_restarting_server(wiki_retriever, caplog):
+    """A retriever restarted mid-training refuses connections for a while: search retries
+    past ``retries`` (here 0) for up to reconnect_wait_s, warning each time, and gets the
+    answer once the server is back."""
+    port = free_port()
+    started = []
+    timer = threading.Timer(1.0, lambda: started.append(
+        serve_in_thread(wiki_retriever, port=port, **LIMITS)[0]))
+    timer.start()
+    try:
+        client = HTTPRetriever(f"http://127.0.0.1:{port}", retries=0, backoff_s=0.05,
+                               reconnect_wait_s=20)
+        start = time.monotonic()
+        (hits,) = client.search(["Silas Hardy English cricketer"], 2)
+        assert hits[0].title == "Silas Hardy" and time.monotonic() - start >= 0.9
+        retries = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert retries and "Connection refused" in retries[0].getMessage()
+        assert "retrying in" in retries[0].getMessage()
+    finally:
+        timer.join()
+        for server in started:
+            server.shutdown()
+            server.server_close()
+
+
+def test_a_server_that_stays_down_is_given_up_after_reconnect_wait_s():
+    client = HTTPRetriever(f"http://127.0.0.1:{free_port()}", retries=0, backoff_s=0.05,
+                           reconnect_wait_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(RetrieverError, match=r"reconnect_wait_s=1.0\); last failure: cannot "
+                                             r"connect.*Is the server running"):
+        client.search(["who"], 3)
+    assert 0.5 < time.monotonic() - start < 3.0
+
+
+class DropsFirstHandler(BaseHTTPRequestHandler):
+    """Closes its first connection without an answer (a server going down), then answers."""
+
+    calls = 0
+
+    def do_POST(self):  # noqa: N802
+        type(self).calls += 1
+        n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["queries"])
+        if type(self).calls == 1:
+            self.close_connection = True
+            return
+        doc = {"id": "7", "contents": '"Lee Mantle"\nLee Mantle was a Senator.'}
+        body = json.dumps({"result": [[doc]] * n}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_dropped_connection_is_retried_past_retries():
+    server, url = serve_handler(DropsFirstHandler)
+    try:
+        client = HTTPRetriever(url, retries=0, backoff_s=0.01, reconnect_wait_s=5)
+        assert len(client.search(["who"], 1)) == 1 and DropsFirstHandler.calls == 2
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -56,6 +56,8 @@ class TraceDataModule(L.LightningDataModule):
         retriever_timeout_s: seconds one request to the server may take (a large index
             answering a batch of queries needs more than a small one).
         retriever_retries: extra attempts after a timeout, a lost connection or a 5xx answer.
+        retriever_reconnect_wait_s: while the server refuses connections (restarting), keep
+            retrying a search this many seconds before the run stops.
         val: validation sets.
         policy_path: the policy's directory or hub id (linked from ``model.policy_path``).
         engine: the rollout engine.
@@ -84,7 +86,8 @@ class TraceDataModule(L.LightningDataModule):
 
     def __init__(self, train: str | None = None, corpus: str | None = None,
                  retriever_url: str | None = None, retriever_timeout_s: float = 10.0,
-                 retriever_retries: int = 2, val: list[EvalSet] | None = None,
+                 retriever_retries: int = 2, retriever_reconnect_wait_s: float = 30.0,
+                 val: list[EvalSet] | None = None,
                  policy_path: str = "", engine: EngineConfig | None = None,
                  env: EnvConfig | None = None, sampling: SamplingConfig | None = None,
                  val_temperature: float = 0.0, val_samples: int = 1,
@@ -99,6 +102,7 @@ class TraceDataModule(L.LightningDataModule):
         self.allow_zero_length_dataloader_with_multiple_devices = True
         self.train_path, self.corpus, self.retriever_url = train, corpus, retriever_url
         self.retriever_timeout_s, self.retriever_retries = retriever_timeout_s, retriever_retries
+        self.retriever_reconnect_wait_s = retriever_reconnect_wait_s
         self.val_sets = list(val or [])
         self.policy_path = policy_path
         self.policy_dir = policy_path  # a hub id becomes its cached snapshot in setup
@@ -172,6 +176,11 @@ class TraceDataModule(L.LightningDataModule):
                 raise ValueError(f"--data.retriever_url ({self.retriever_url!r}) is not an "
                                  f"http(s) address; give the server's, e.g. "
                                  f"http://127.0.0.1:8000 (`trace-lightning-retriever`)")
+        if not (math.isfinite(self.retriever_reconnect_wait_s)
+                and self.retriever_reconnect_wait_s >= 0):
+            raise ValueError(f"--data.retriever_reconnect_wait_s "
+                             f"({self.retriever_reconnect_wait_s}) must be a finite number of "
+                             f"seconds >= 0 (0: stop at once when the server is down)")
         if (not math.isfinite(self.retriever_timeout_s) or self.retriever_timeout_s <= 0
                 or self.retriever_retries < 0):
             raise ValueError(f"--data.retriever_timeout_s ({self.retriever_timeout_s}) must be "
@@ -293,9 +302,10 @@ class TraceDataModule(L.LightningDataModule):
         if corpus is None and self.retriever_url:
             key = self.retriever_url
             if key not in self._retrievers:
-                self._retrievers[key] = HTTPRetriever(self.retriever_url,
-                                                      timeout_s=self.retriever_timeout_s,
-                                                      retries=self.retriever_retries)
+                self._retrievers[key] = HTTPRetriever(
+                    self.retriever_url, timeout_s=self.retriever_timeout_s,
+                    retries=self.retriever_retries,
+                    reconnect_wait_s=self.retriever_reconnect_wait_s)
         else:
             key = corpus or self.corpus
             if key not in self._retrievers:

@@ -49,6 +49,9 @@ Method = Literal["lucene", "robertson", "atire", "bm25l", "bm25+"]
 def load_corpus(path: str | os.PathLike) -> list[Passage]:
     """Read a corpus JSONL in our form or FlashRAG's; blank lines are skipped."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"corpus {path} is a directory, not a file; pass the corpus JSONL "
+                                f"inside it, e.g. {path / 'corpus.jsonl'}")
     if not path.is_file():
         raise FileNotFoundError(f"corpus {path} does not exist; pass the path of a JSONL file "
                                 f"whose lines are {DOCUMENT_FORMS} "
@@ -115,7 +118,7 @@ class BM25Retriever:
         self.index_dir = root / f"bm25-{corpus_path.stem}-{self._cache_key(corpus_path)[:20]}"
         self.loaded_from_cache = self._load_index(self.index_dir)
         if not self.loaded_from_cache:
-            self._build_index()
+            self._build_index(f"corpus {corpus_path}")
             self._save_index(self.index_dir)
 
     @classmethod
@@ -129,7 +132,7 @@ class BM25Retriever:
                              "{\"id\", \"title\", \"text\"} or {\"id\", \"contents\"} dicts")
         self._setup(passages, k1, b, method)
         self.index_dir, self.loaded_from_cache = None, False
-        self._build_index()
+        self._build_index("from_documents")
         return self
 
     def _setup(self, passages: list[Passage], k1: float, b: float, method: str) -> None:
@@ -160,8 +163,13 @@ class BM25Retriever:
         digest.update(json.dumps(self._settings(), sort_keys=True).encode())
         return digest.hexdigest()
 
-    def _build_index(self) -> None:
+    def _build_index(self, source: str) -> None:
+        """Index the passages; ``source`` names them in the error of a corpus without words."""
         tokens = _tokenize([f"{p.title}\n{p.text}" for p in self.passages])
+        if not any(tokens):  # bm25s would fail with "max() arg is an empty sequence"
+            raise ValueError(f"{source} has no word to index in any of its {len(tokens)} "
+                             f"passages: all titles and texts are empty, one-letter words or "
+                             f"English stopwords; pass a corpus whose passages hold their text")
         self._bm25 = bm25s.BM25(k1=self.k1, b=self.b, method=self.method, backend="numpy")
         self._bm25.index(tokens, show_progress=False)
 
@@ -170,16 +178,18 @@ class BM25Retriever:
         meta_path = index_dir / "meta.json"
         if not meta_path.is_file():
             return False
+        n = len(self.passages)
         try:
             meta = json.loads(meta_path.read_text())
             bm25 = bm25s.BM25.load(str(index_dir), load_vocab=True, show_progress=False)
-        except (OSError, ValueError, KeyError) as e:
+            fits = meta.get("num_docs") == n and bm25.scores["num_docs"] == n
+        # valid JSON of the wrong type (a list for a dict) fails as AttributeError/TypeError
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             if not quiet:
-                print(f"[trace-lightning] ignoring unreadable BM25 cache {index_dir} ({e}); "
-                      f"rebuilding")
+                print(f"[trace-lightning] ignoring unreadable BM25 cache {index_dir} "
+                      f"({type(e).__name__}: {e}); rebuilding")
             return False
-        n = len(self.passages)
-        if meta.get("num_docs") != n or bm25.scores["num_docs"] != n:
+        if not fits:
             return False
         self._bm25 = bm25
         return True

@@ -12,7 +12,9 @@ that is not JSON or has wrong fields or a ``topk`` out of range, 413 for a reque
 size limit (body bytes, number of queries, query length), 404 for an unknown path, 500 if
 retrieval itself fails. The server keeps serving after any of them.
 
-Run it with ``trace-lightning-retriever --corpus PATH --port 8000``.
+Run it with ``trace-lightning-retriever --corpus PATH --port 8000``. It checks its flags and
+binds the port before building the index (a wiki-18 index takes a while), and listens only once
+the index is ready: until then connections are refused, which clients retry.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import threading
 from collections.abc import Sized
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import NoReturn
 
 from trace_lightning.retrieval import Retriever
 from trace_lightning.retrieval.bm25 import BM25Retriever
@@ -141,18 +145,45 @@ def make_handler(retriever: Retriever, max_queries: int, max_query_chars: int, t
     return Handler
 
 
-def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000,
-                max_queries: int = 512, max_query_chars: int = 2000, topk_max: int = 100,
-                max_body_bytes: int = 8 << 20) -> ThreadingHTTPServer:
-    """A bound (not yet serving) threaded server; ``port=0`` picks a free port."""
+def check_limits(max_queries: int, max_query_chars: int, topk_max: int,
+                 max_body_bytes: int) -> None:
+    """ValueError naming the flag of a limit below 1."""
     for name, value in (("max_queries", max_queries), ("max_query_chars", max_query_chars),
                         ("topk_max", topk_max), ("max_body_bytes", max_body_bytes)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} ({value}) must be >= 1")
+
+
+def bind(host: str, port: int) -> ThreadingHTTPServer:
+    """A server bound to ``host:port`` but not yet listening (connections are refused, so
+    clients retry) and without a handler: :func:`listen` gives it both. OSError if the port
+    is taken."""
+    server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler, bind_and_activate=False)
+    try:
+        server.server_bind()
+    except BaseException:
+        server.server_close()
+        raise
+    return server
+
+
+def listen(server: ThreadingHTTPServer, retriever: Retriever, max_queries: int,
+           max_query_chars: int, topk_max: int, max_body_bytes: int) -> None:
+    """Give a :func:`bind` server its retriever and (checked) limits and start listening."""
     n_documents = len(retriever) if isinstance(retriever, Sized) else None
-    handler = make_handler(retriever, max_queries, max_query_chars, topk_max, max_body_bytes,
-                           n_documents)
-    return ThreadingHTTPServer((host, port), handler)
+    server.RequestHandlerClass = make_handler(retriever, max_queries, max_query_chars, topk_max,
+                                              max_body_bytes, n_documents)
+    server.server_activate()
+
+
+def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000,
+                max_queries: int = 512, max_query_chars: int = 2000, topk_max: int = 100,
+                max_body_bytes: int = 8 << 20) -> ThreadingHTTPServer:
+    """A bound and listening (not yet serving) threaded server; ``port=0`` picks a free port."""
+    check_limits(max_queries, max_query_chars, topk_max, max_body_bytes)
+    server = bind(host, port)
+    listen(server, retriever, max_queries, max_query_chars, topk_max, max_body_bytes)
+    return server
 
 
 def serve_in_thread(retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
@@ -190,16 +221,33 @@ def main(argv: list[str] | None = None) -> None:
                         help="largest request body, in bytes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    limits = (args.max_queries, args.max_query_chars, args.topk_max, args.max_body_bytes)
 
-    retriever = BM25Retriever(args.corpus, cache_dir=args.cache_dir, k1=args.k1, b=args.b)
+    def fail(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: {message}\n")
+
+    # flags and the port first: building a large index (wiki-18) takes a long while
+    if not (math.isfinite(args.k1) and args.k1 >= 0):
+        fail(f"--k1 ({args.k1}) must be a finite number >= 0; Pyserini's default is 0.9")
+    if not 0 <= args.b <= 1:
+        fail(f"--b ({args.b}) must be in [0, 1]; Pyserini's default is 0.4")
+    if not 0 <= args.port <= 65535:
+        fail(f"--port ({args.port}) must be in [0, 65535] (0 picks a free port)")
     try:
-        server = make_server(retriever, args.host, args.port, max_queries=args.max_queries,
-                             max_query_chars=args.max_query_chars, topk_max=args.topk_max,
-                             max_body_bytes=args.max_body_bytes)
+        check_limits(*limits)
+    except ValueError as e:
+        fail(str(e))
+    try:
+        server = bind(args.host, args.port)
     except OSError as e:
-        raise SystemExit(f"trace-lightning-retriever: cannot listen on {args.host}:{args.port} "
-                         f"({e.strerror or e}); is another server on that port? Pick another "
-                         f"with --port (0 picks a free one), or check --host") from None
+        fail(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); is another server "
+             f"on that port? Pick another with --port (0 picks a free one), or check --host")
+    try:
+        retriever = BM25Retriever(args.corpus, cache_dir=args.cache_dir, k1=args.k1, b=args.b)
+    except (ValueError, OSError) as e:  # a bad corpus: not JSON lines, missing, a directory
+        server.server_close()
+        fail(str(e))
+    listen(server, retriever, *limits)
     host, port = server.server_address[:2]
     log.info("serving %d passages of %s at http://%s:%d/retrieve (index %s, %s)", len(retriever),
              args.corpus, host, port, retriever.index_dir,
