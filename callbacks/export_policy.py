@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 
 from trace_lightning.engines.sync import policy_weights
-from trace_lightning.export import export_dtype, save_policy
+from trace_lightning.export import check_out, export_dtype, save_policy
 
 
 def policy_optimizer_steps(trainer: pl.Trainer) -> int:
@@ -57,6 +57,17 @@ class ExportPolicy(pl.Callback):
         self.dtype = dtype
         self.exported: list[Path] = []  # directories written by this rank, in order
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A ``dirpath`` whose ``last`` is not replaceable (see ``check_out``) fails now, not
+        after training."""
+        root = self._root(trainer)  # every rank: log_dir is a broadcast
+        if trainer.is_global_zero:
+            check_out(root / "last", [pl_module.hparams.policy_path])
+
+    def _root(self, trainer: pl.Trainer) -> Path:
+        return Path(self.dirpath) if self.dirpath else Path(
+            trainer.log_dir or trainer.default_root_dir) / "policy"
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
         if self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
@@ -69,8 +80,7 @@ class ExportPolicy(pl.Callback):
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str,
                epochs_done: int) -> Path:
         """Gather the policy (collective) and write ``<dirpath>/<name>`` on rank 0."""
-        root = Path(self.dirpath) if self.dirpath else Path(
-            trainer.log_dir or trainer.default_root_dir) / "policy"  # log_dir: a broadcast
+        root = self._root(trainer)  # every rank: log_dir is a broadcast
         state = dict(policy_weights(pl_module.policy, rank0_cpu=True))
         out = root / name
         if trainer.is_global_zero:

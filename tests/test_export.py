@@ -284,6 +284,14 @@ def test_only_an_empty_directory_or_a_previous_export_is_replaced(trained, model
     with pytest.raises(SystemExit, match="empty holds .*empty, which this export reads"):
         main([str(ckpt), str(tmp_path / "empty"), "--policy-path", str(tmp_path / "empty")])
     assert_same_weights(tmp_path / "empty", trained, dtype=torch.bfloat16)
+    # <out>.old, where a previous export waits while the new one is renamed into place, is
+    # cleared only when it is an export (a killed run's), not a backup of the user's own
+    (tmp_path / "empty.old").mkdir()
+    (tmp_path / "empty.old" / "backup.txt").write_text("keep me")
+    with pytest.raises(SystemExit, match="empty.old exists and is not a previous export"):
+        main([str(ckpt), str(tmp_path / "empty")])
+    assert (tmp_path / "empty.old" / "backup.txt").exists()
+    assert_same_weights(tmp_path / "empty", trained, dtype=torch.bfloat16)
 
 
 def broken_checkpoints(tmp_path: Path, trained, model_dir) -> dict[str, Path]:
@@ -388,6 +396,15 @@ def test_export_callback_every_n_epochs_and_at_the_end(model_dir, tmp_path):
                            module.snapshots[2]["model.norm.weight"])
     with pytest.raises(ValueError, match="every_n_epochs \\(-1\\) must be >= 0"):
         ExportPolicy(every_n_epochs=-1)
+    # a dirpath whose "last" is a folder of the user's own fails before training, not after
+    (tmp_path / "q" / "last").mkdir(parents=True)
+    (tmp_path / "q" / "last" / "notes.txt").write_text("keep me")
+    trainer = L.Trainer(max_epochs=1, callbacks=[ExportPolicy(dirpath=str(tmp_path / "q"))],
+                        logger=False, accelerator="cpu", enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(FileExistsError, match="last exists and is not a previous export"):
+        trainer.fit(LM(str(model_dir)), data)
+    assert trainer.global_step == 0 and (tmp_path / "q" / "last" / "notes.txt").exists()
 
 
 def test_export_callback_records_the_policy_optimizers_steps(model_dir, tmp_path):

@@ -113,9 +113,10 @@ def save_policy(state: dict[str, torch.Tensor], policy_path: str | Path, out: st
 
 
 def check_out(out: str | Path, sources: Iterable[str | Path | None] = ()) -> None:
-    """Refuse an ``out`` whose replacement would lose data: it may be missing, an empty
-    directory or a previous export (holding ``trace_lightning.json``), and may not be or hold
-    one of ``sources`` (the checkpoint and policy_path being read)."""
+    """Refuse an ``out`` whose replacement would lose data: it (and ``<out>.old``, which
+    ``_replace`` clears) may be missing, an empty directory or a previous export (holding
+    ``trace_lightning.json``), and may not be or hold one of ``sources`` (the checkpoint and
+    policy_path being read)."""
     out = Path(out)
     for source in sources:
         if source is None or not Path(source).exists():  # None, or a hub id
@@ -125,12 +126,14 @@ def check_out(out: str | Path, sources: Iterable[str | Path | None] = ()) -> Non
             raise FileExistsError(
                 f"output directory {out} holds {source}, which this export reads: replacing "
                 f"{out} would delete it; choose a new directory for the export")
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir())
-                                               or (out / META_FILE).is_file())):
-        raise FileExistsError(
-            f"output directory {out} exists and is not a previous export (no {META_FILE} in "
-            f"it), so replacing it would delete its files; choose a new directory, or delete "
-            f"{out} yourself")
+    # <out>.old: where a previous export waits while the new one is renamed into place
+    for path in (out, out.with_name(out.name + ".old")):
+        if path.exists() and not (path.is_dir() and (not any(path.iterdir())
+                                                     or (path / META_FILE).is_file())):
+            raise FileExistsError(
+                f"output directory {path} exists and is not a previous export (no {META_FILE} "
+                f"in it), so replacing it would delete its files; choose a new directory, or "
+                f"delete {path} yourself")
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -140,7 +143,7 @@ def _replace(tmp: Path, out: Path) -> None:
     ``<out>.old``, at every moment."""
     old = out.with_name(out.name + ".old")
     if out.exists():
-        shutil.rmtree(old, ignore_errors=True)  # a stale one from a killed export
+        shutil.rmtree(old, ignore_errors=True)  # a killed export's (check_out looked)
         out.rename(old)
     try:
         tmp.rename(out)
