@@ -7,8 +7,8 @@ At epoch start (the step is ready, see ``callbacks._common``), over all ranks:
 - ``perf/<phase>_s`` for each phase the step timed (``rollout``, ``predict``);
   ``perf/sync_s``: the datamodule's latest weight sync; ``perf/sync_logprob_diff``: its
   largest engine-vs-policy log-prob difference (max over ranks);
-- ``perf/prefix_cache_share``: prefill tokens served from the engine's prefix cache (only
-  when the engine reports prefill tokens).
+- ``perf/prefix_cache_share``: prefill tokens served from the engine's prefix cache (0 for
+  the ``hf`` engine, which has none).
 
 At epoch end: ``perf/train_s`` (time inside training batches, slowest rank: validation and
 rollouts excluded), ``perf/train_tokens_per_s`` (policy tokens, the ones the loss trains on,

@@ -21,6 +21,7 @@ Layout (one small module per idea):
     collect      one RL step: candidates -> allocation -> trees -> sequences
     collectives  gathers and broadcast across ranks (module and data module)
     data         TraceDataModule (rollouts each epoch); data_config: its typed sections
+    validation   validation rows (QA scores per trajectory), sampled afresh each pass
     module       TraceModule (policy + predictor, the update)
     cli          the `trace-lightning` LightningCLI
     export       the trained policy as a Hugging Face directory

@@ -1,7 +1,7 @@
-"""One RL iteration's data: budgeted rollout trees, from candidate prompts to training batches.
+"""One RL iteration's data: budgeted rollout trees, from candidate prompts to training sequences.
 
     candidates ─> predictor ─> root plan ─> bare rollouts ─> predictor on prefixes
-               ─> prefix plan ─> continuations ─> rewards, values ─> advantages ─> batches
+               ─> prefix plan ─> continuations ─> rewards, values ─> advantages ─> sequences
                   └──────── per prompt, as soon as its bare rollouts end ────────┘
 
 Every step spends the same number of leaves whatever the allocator (equal sampling cost);

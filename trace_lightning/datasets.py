@@ -1,7 +1,7 @@
 """Question-answer data: one loader for our JSONL schema and FlashRAG/Search-R1's, and a
 stable train/validation split.
 
-Our schema (``../shared/data``): ``{"id", "question", "answers": [gold, *aliases], "dataset",
+Our schema: ``{"id", "question", "answers": [gold, *aliases], "dataset",
 "supporting_titles", ...}``. FlashRAG's: ``{"id", "question", "golden_answers": [...],
 "metadata": {...}}``; its HotpotQA files keep supporting facts as
 ``metadata.supporting_facts.title``. Unknown fields are ignored.
@@ -96,7 +96,7 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
                                 f"inside it, e.g. {path / 'dev_distractor.jsonl'}")
     if not path.is_file():
         raise FileNotFoundError(f"QA file {path} does not exist; pass a JSONL of QA records, "
-                                f"e.g. ../shared/data/hotpotqa/dev_distractor.jsonl")
+                                f"{_SCHEMA}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit ({limit}) must be >= 0 or None (all examples)")
     fallback = dataset or path.resolve().parent.name

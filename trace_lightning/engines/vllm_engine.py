@@ -24,8 +24,8 @@ Facts about the installed vLLM (0.32, checked in its source and measured here):
   "CPU Generator does not use offset" (``gpu_model_runner._bookkeeping_sync`` rewinds the
   generator's Philox offset, which CPU generators lack). On CPU chunked prefill is off by
   default, so every prompt is prefilled in one step.
-- Sleep mode is not supported on CPU (the CPU worker ignores it); ``sleep``/``wake_up`` are
-  no-ops there.
+- Sleep mode is not supported on CPU (the CPU worker ignores it); there ``sleep``/``wake_up``
+  only hand the process's torch threads to training and back (below).
 - Threads on CPU: vLLM means to run its engine loop with one torch thread ("multi-threaded
   torch CPU ops in the engine hot loop leave the OMP workers spin-waiting"), but in-process
   the calling thread keeps its count, and once the engine is up ``torch.set_num_threads`` is
