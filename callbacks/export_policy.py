@@ -61,8 +61,16 @@ class ExportPolicy(pl.Callback):
         """A ``dirpath`` whose ``last`` is not replaceable (see ``check_out``) fails now, not
         after training."""
         root = self._root(trainer)  # every rank: log_dir is a broadcast
+        problem = None
         if trainer.is_global_zero:
-            check_out(root / "last", [pl_module.hparams.policy_path])
+            try:
+                check_out(root / "last", [pl_module.hparams.policy_path])
+            except FileExistsError as e:
+                problem = str(e)
+        # every rank stops (one left alone would wait in the next collective)
+        problem = trainer.strategy.broadcast(problem)
+        if problem:
+            raise FileExistsError(problem)
 
     def _root(self, trainer: pl.Trainer) -> Path:
         return Path(self.dirpath) if self.dirpath else Path(

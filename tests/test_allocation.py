@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from trace_lightning.allocation import (
+    draw_random,
     beta_moment,
     expected_root_values,
     prefix_gain,
@@ -21,7 +22,6 @@ from trace_lightning.allocation import (
     solve_roots,
     spendable_roots,
     spread_prefix_budget,
-    spread_random,
 )
 
 # ---- brute force (tests only) -------------------------------------------------------------
@@ -257,19 +257,23 @@ def test_spread_conserves_budget_on_random_instances():
             assert sum(c) >= min(b, len(p) * (cap if cap else 10**9))
 
 
-def test_spread_random_is_seeded_and_conserves_budget():
-    a = spread_random([3, 0, 2], [5, 4, 3], np.random.default_rng(7))
-    b = spread_random([3, 0, 2], [5, 4, 3], np.random.default_rng(7))
+def test_draw_random_is_seeded_uniform_and_capped():
+    """random_tree's draws (``PrefixPlanner`` gives each prompt its own generator)."""
+    a, b = [0, 0, 0], [0, 0, 0]
+    assert draw_random(a, 5, np.random.default_rng(7)) == 5 == sum(a)
+    draw_random(b, 5, np.random.default_rng(7))
     assert a == b
-    assert sum(map(sum, a.counts)) == 12 and a.pool_returned == 4 and a.unspent == 0
-    assert a.counts[1] == []
-    c = spread_random([1, 0], [5, 1], np.random.default_rng(0), cap=2)
-    assert c.counts == [[2], []] and c.pool_returned == 4 and c.unspent == 4
-    # uniform over a prompt's prefixes: 40,000 units over 4 prefixes, 10,000 +- 5 sigma each
-    (counts,) = spread_random([4], [40_000], np.random.default_rng(1)).counts
+    assert draw_random([], 4, np.random.default_rng(0)) == 0  # no prefix: all to the pool
+    c = [0]
+    assert draw_random(c, 5, np.random.default_rng(0), cap=2) == 2 and c == [2]
+    # uniform over the prefixes: 40,000 units over 4, 10,000 +- 5 sigma each
+    counts = [0] * 4
+    draw_random(counts, 40_000, np.random.default_rng(1))
     sigma = (40_000 * 0.25 * 0.75) ** 0.5
     assert all(abs(k - 10_000) <= 5 * sigma for k in counts)
-    assert counts != spread_random([4], [40_000], np.random.default_rng(2)).counts[0]
+    other = [0] * 4
+    draw_random(other, 40_000, np.random.default_rng(2))
+    assert counts != other
 
 
 # ---- stage 1 with uncertain predictions ----------------------------------------------------

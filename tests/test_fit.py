@@ -360,7 +360,8 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
      "--data.candidates_per_step (1)"),
     ("--data.ppo_epochs=0", "--data.ppo_epochs (0)"),
     ("--model.lr_warmup_steps=-1", "--model.lr_warmup_steps (-1) must be >= 0"),
-    ("--data.retriever_timeout_s=0", "--data.retriever_timeout_s (0.0) must be > 0"),
+    ("--data.retriever_url=http://127.0.0.1:1 --data.retriever_timeout_s=0",
+     "(--data.retriever_timeout_s) is 0.0; it must be a finite number of seconds > 0"),
     ("--data.oracle_samples=0", "--data.oracle_samples (0) must be >= 1"),
     ("--model.dual_clip=0.5", "--model.dual_clip (0.5) must be > 1"),
     ("--model.predictor_holdout=1.0", "--model.predictor_holdout (1.0) must be in [0, 1)"),
@@ -505,13 +506,13 @@ def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_d
                                                 r"directory, not a file"):
         dm.setup("fit")
     no_corpus = {k: v for k, v in common.items() if k != "corpus"}
-    with pytest.raises(ValueError, match=r"--data.retriever_url \('127.0.0.1:8000'\) is not an "
-                                         r"http\(s\) address"):
+    with pytest.raises(ValueError, match=r"\(--data.retriever_url\) '127.0.0.1:8000' is not "
+                                         r"an http\(s\) address"):
         TraceDataModule(**no_corpus, retriever_url="127.0.0.1:8000")
-    with pytest.raises(ValueError, match=r"--data.retriever_timeout_s \(nan\) must be"):
+    with pytest.raises(ValueError, match=r"\(--data.retriever_timeout_s\) is nan; it must"):
         TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
                         retriever_timeout_s=float("nan"))
-    with pytest.raises(ValueError, match=r"--data.retriever_reconnect_wait_s \(inf\) must be"):
+    with pytest.raises(ValueError, match=r"\(--data.retriever_reconnect_wait_s\) is inf; it"):
         TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
                         retriever_reconnect_wait_s=float("inf"))
     dm = TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",

@@ -406,6 +406,32 @@ def test_a_taken_port_is_named_before_the_corpus_is_read(tmp_path, capsys):
     assert error.startswith(f"trace-lightning-retriever: cannot listen on 127.0.0.1:{port}")
 
 
+def test_a_port_taken_while_the_index_is_built_is_one_line(tmp_path, capsys, monkeypatch):
+    """Binding does not reserve the port (SO_REUSEADDR): a server that starts listening on it
+    while our index is built makes our listen fail; that is a message, not a traceback."""
+    from trace_lightning.retrieval import server as server_module
+
+    (tmp_path / "c.jsonl").write_text('{"id": "1", "title": "A", "text": "alpha beta"}\n')
+    port = free_port()
+    other = socket.socket()
+    real = server_module.BM25Retriever
+
+    def build_while_another_starts(*args, **kwargs):
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "BM25Retriever", build_while_another_starts)
+    try:
+        error = retriever_main_error(["--corpus", str(tmp_path / "c.jsonl"), "--port", str(port),
+                                      "--cache-dir", str(tmp_path / "cache")], capsys)
+    finally:
+        other.close()
+    assert error.startswith(f"trace-lightning-retriever: cannot listen on 127.0.0.1:{port}")
+    assert "another server started on that port while the index was built" in error
+
+
 @pytest.mark.parametrize("corpus, message", [
     ("bad.jsonl", r"corpus .*bad\.jsonl line 2 is not JSON"),
     ("nope.jsonl", r"corpus .*nope\.jsonl does not exist"),
@@ -495,7 +521,8 @@ def test_a_timeout_that_is_not_a_finite_positive_number_names_the_flag(value):
     with pytest.raises(ValueError, match=rf"timeout_s \(--data.retriever_timeout_s\) is "
                                          rf"{value}; it must be a finite number"):
         HTTPRetriever("http://127.0.0.1:1", timeout_s=value)
-    with pytest.raises(ValueError, match="reconnect_wait_s is nan"):
+    with pytest.raises(ValueError, match=r"reconnect_wait_s \(--data.retriever_reconnect_wait_s"
+                                         r"\) is nan"):
         HTTPRetriever("http://127.0.0.1:1", reconnect_wait_s=float("nan"))
 
 
@@ -532,6 +559,20 @@ def test_a_server_that_stays_down_is_given_up_after_reconnect_wait_s():
                                              r"connect.*Is the server running"):
         client.search(["who"], 3)
     assert 0.5 < time.monotonic() - start < 3.0
+
+
+def test_a_long_reconnect_wait_backs_off_without_overflow(monkeypatch):
+    """Two hours of refused connections on a fake clock: over 1,400 tries at the 5 s cap
+    (2 ** 1024 overflowed a float after about 1,000), then the error, not an OverflowError."""
+    from trace_lightning.retrieval import client as client_module
+
+    clock = [0.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(client_module.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    client = HTTPRetriever(f"http://127.0.0.1:{free_port()}", retries=0, reconnect_wait_s=7200)
+    with pytest.raises(RetrieverError, match=r"reconnect_wait_s=7200"):
+        client.search(["who"], 3)
+    assert 7190 < clock[0] <= 7200
 
 
 class DropsFirstHandler(BaseHTTPRequestHandler):

@@ -368,8 +368,9 @@ def spread_prefix_budget(per_prompt_prefixes: Sequence[Sequence[tuple[float, flo
         per_prompt_budget: per prompt, its continuation budget (``m_i N``).
         cap: most continuations per prefix (None: no limit).
 
-    Phase 1 is per prompt (so a prompt can start its continuations as soon as its own bare
-    rollouts are done: ``allocators.PrefixPlanner``). Whatever a prompt cannot spend (no
+    The one-shot reference of what ``allocators.PrefixPlanner`` computes prompt by prompt
+    (tested equal). Phase 1 is per prompt (so a prompt can start its continuations as soon as
+    its own bare rollouts are done). Whatever a prompt cannot spend (no
     prefixes: all rollouts single-turn; or all capped) goes to a pool, which phase 2
     (``spend_pool``) spends with the same greedy over every prompt's prefixes, starting from
     the phase-1 counts. Since gains are non-increasing per prefix, phase 2 is the exact
@@ -429,38 +430,6 @@ def draw_random(counts: list[int], budget: int, rng: np.random.Generator,
         if cap is not None and counts[k] >= cap:
             open_.pop(j)
     return spent
-
-
-def spread_random(per_prompt_prefixes: Sequence[int], per_prompt_budget: Sequence[int],
-                  rng: np.random.Generator, cap: int | None = None) -> PrefixSpread:
-    """Random-node branching (TreePO / Tree-GRPO): prefixes drawn uniformly with replacement.
-
-    Args:
-        per_prompt_prefixes: per prompt, its number of non-leaf prefixes.
-        per_prompt_budget: per prompt, its continuation budget.
-        rng: the caller's generator (its state advances).
-        cap: most continuations per prefix (None: no limit); capped prefixes leave the draw.
-
-    Each of a prompt's budget units goes to one of its uncapped prefixes, uniformly at random
-    (``draw_random``); what a prompt cannot use goes to a pool spent the same way over every
-    prompt's uncapped prefixes. Same ``PrefixSpread`` bookkeeping as
-    ``spread_prefix_budget``.
-    """
-    if len(per_prompt_prefixes) != len(per_prompt_budget):
-        raise ValueError(f"one budget per prompt expected (got {len(per_prompt_prefixes)} "
-                         f"prompts and {len(per_prompt_budget)} budgets)")
-    counts: list[list[int]] = []
-    pool = 0
-    for n_prefixes, budget in zip(per_prompt_prefixes, per_prompt_budget):
-        c = [0] * n_prefixes
-        pool += budget - draw_random(c, budget, rng, cap)
-        counts.append(c)
-    unspent = pool
-    if pool > 0:
-        flat = [c for cs in counts for c in cs]
-        unspent -= draw_random(flat, pool, rng, cap)
-        counts = unflatten(flat, [len(cs) for cs in counts])
-    return PrefixSpread(counts=counts, pool_returned=pool, unspent=unspent)
 
 
 def unflatten(flat: list[int], sizes: list[int]) -> list[list[int]]:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
-import urllib.parse
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -171,21 +169,7 @@ class TraceDataModule(L.LightningDataModule):
             raise ValueError(f"--data.oracle_samples ({self.oracle_samples}) must be >= 1: the "
                              f"rollouts per node that estimate its success for 'oracle'")
         if self.retriever_url:
-            parts = urllib.parse.urlsplit(self.retriever_url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"--data.retriever_url ({self.retriever_url!r}) is not an "
-                                 f"http(s) address; give the server's, e.g. "
-                                 f"http://127.0.0.1:8000 (`trace-lightning-retriever`)")
-        if not (math.isfinite(self.retriever_reconnect_wait_s)
-                and self.retriever_reconnect_wait_s >= 0):
-            raise ValueError(f"--data.retriever_reconnect_wait_s "
-                             f"({self.retriever_reconnect_wait_s}) must be a finite number of "
-                             f"seconds >= 0 (0: stop at once when the server is down)")
-        if (not math.isfinite(self.retriever_timeout_s) or self.retriever_timeout_s <= 0
-                or self.retriever_retries < 0):
-            raise ValueError(f"--data.retriever_timeout_s ({self.retriever_timeout_s}) must be "
-                             f"> 0 and --data.retriever_retries ({self.retriever_retries}) "
-                             f">= 0: seconds one request may take, and extra attempts")
+            self._http_retriever()  # its flags are checked now (no request is made)
         names = [v.name for v in self.val_sets]
         if len(set(names)) < len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
@@ -302,15 +286,17 @@ class TraceDataModule(L.LightningDataModule):
         if corpus is None and self.retriever_url:
             key = self.retriever_url
             if key not in self._retrievers:
-                self._retrievers[key] = HTTPRetriever(
-                    self.retriever_url, timeout_s=self.retriever_timeout_s,
-                    retries=self.retriever_retries,
-                    reconnect_wait_s=self.retriever_reconnect_wait_s)
+                self._retrievers[key] = self._http_retriever()
         else:
             key = corpus or self.corpus
             if key not in self._retrievers:
                 self._retrievers[key] = BM25Retriever(key)
         return self._retrievers[key]
+
+    def _http_retriever(self) -> HTTPRetriever:
+        return HTTPRetriever(self.retriever_url, timeout_s=self.retriever_timeout_s,
+                             retries=self.retriever_retries,
+                             reconnect_wait_s=self.retriever_reconnect_wait_s)
 
     def _env(self, corpus: str | None, search: bool = True) -> SearchEnvironment:
         """The environment on ``corpus``'s retriever; ``search=False``: prompts only (no

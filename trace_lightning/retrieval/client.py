@@ -97,17 +97,20 @@ class HTTPRetriever:
                  backoff_s: float = 0.2, batch_size: int = 64, reconnect_wait_s: float = 30.0):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"retriever url {url!r} is not an http(s) address; pass e.g. "
-                             f"http://127.0.0.1:8000")
+            raise ValueError(f"retriever url (--data.retriever_url) {url!r} is not an http(s) "
+                             f"address; give the server's, e.g. http://127.0.0.1:8000 "
+                             f"(`trace-lightning-retriever`)")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"retriever timeout_s (--data.retriever_timeout_s) is {timeout_s}; "
                              f"it must be a finite number of seconds > 0, e.g. 10")
         if retries < 0:
             raise ValueError(f"retriever retries (--data.retriever_retries) is {retries}; it "
                              f"must be >= 0 (0: no retry), e.g. 2")
-        for name, value in (("backoff_s", backoff_s), ("reconnect_wait_s", reconnect_wait_s)):
+        for name, value in (("backoff_s", backoff_s),
+                            ("reconnect_wait_s (--data.retriever_reconnect_wait_s)",
+                             reconnect_wait_s)):
             if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"HTTPRetriever {name} is {value}; it must be a finite number "
+                raise ValueError(f"retriever {name} is {value}; it must be a finite number "
                                  f"of seconds >= 0")
         if batch_size < 1:
             raise ValueError(f"HTTPRetriever batch_size is {batch_size}; it must be >= 1")
@@ -174,7 +177,8 @@ class HTTPRetriever:
                 return self._attempt(url, data)
             except _Transient as e:
                 failure = e
-            delay = min(self.backoff_s * 2 ** (attempts - 1), MAX_BACKOFF_S)
+            # the exponent capped: 2.0 ** 1024 overflows a float after ~1,000 reconnect tries
+            delay = min(self.backoff_s * 2.0 ** min(attempts - 1, 32), MAX_BACKOFF_S)
             if attempts > self.retries:
                 if failure.kind != "reconnect":
                     break

@@ -156,8 +156,10 @@ def check_limits(max_queries: int, max_query_chars: int, topk_max: int,
 
 def bind(host: str, port: int) -> ThreadingHTTPServer:
     """A server bound to ``host:port`` but not yet listening (connections are refused, so
-    clients retry) and without a handler: :func:`listen` gives it both. OSError if the port
-    is taken."""
+    clients retry) and without a handler: :func:`listen` gives it both. OSError if a server
+    listens on the port already. Binding does not reserve it: with ``SO_REUSEADDR`` (set, so
+    a restart reuses the port at once) another socket may still bind it and listen first,
+    and then :func:`listen` raises."""
     server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler, bind_and_activate=False)
     try:
         server.server_bind()
@@ -247,7 +249,13 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:  # a bad corpus: not JSON lines, missing, a directory
         server.server_close()
         fail(str(e))
-    listen(server, retriever, *limits)
+    try:
+        listen(server, retriever, *limits)
+    except OSError as e:  # another server took the port while the index was built
+        server.server_close()
+        fail(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); another server "
+             f"started on that port while the index was built (it is cached now, so a restart "
+             f"is quick): pick another with --port, or stop the other one")
     host, port = server.server_address[:2]
     log.info("serving %d passages of %s at http://%s:%d/retrieve (index %s, %s)", len(retriever),
              args.corpus, host, port, retriever.index_dir,
