@@ -145,6 +145,18 @@ def test_server_that_is_down_fails_after_retries_in_bounded_time():
         client.check()
 
 
+LEE = {"id": "7", "contents": '"Lee Mantle"\nLee Mantle was a Senator.'}  # a Search-R1 document
+
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, payload: object) -> None:
+    """A stub server's answer: ``payload`` as JSON with ``status``."""
+    body = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class SlowHandler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         time.sleep(1.5)
@@ -181,15 +193,9 @@ class BareDocumentsHandler(BaseHTTPRequestHandler):
         type(self).calls += 1
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if type(self).calls == 1:
-            status, payload = 500, {"error": "index still loading"}
+            send_json(self, 500, {"error": "index still loading"})
         else:
-            doc = {"id": "7", "contents": '"Lee Mantle"\nLee Mantle was a Senator.'}
-            status, payload = 200, {"result": [[doc] for _ in request["queries"]]}
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+            send_json(self, 200, {"result": [[LEE] for _ in request["queries"]]})
 
     def do_GET(self):  # noqa: N802
         self.send_response(404)
@@ -305,14 +311,10 @@ class BusyOnceHandler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         type(self).calls += 1
         n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["queries"])
-        doc = {"id": "7", "contents": '"Lee Mantle"\nLee Mantle was a Senator.'}
-        status, payload = ((429, {"error": "slow down"}) if type(self).calls == 1
-                           else (200, {"result": [[doc]] * n}))
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        if type(self).calls == 1:
+            send_json(self, 429, {"error": "slow down"})
+        else:
+            send_json(self, 200, {"result": [[LEE]] * n})
 
     def log_message(self, *args):
         pass
@@ -458,11 +460,7 @@ def serve_answer(status: int, payload: object):
             self.do_GET()
 
         def do_GET(self):  # noqa: N802
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_json(self, status, payload)
 
         def log_message(self, *args):
             pass
@@ -504,8 +502,7 @@ def test_a_wrong_path_names_the_url_flag_not_topk(server_url):
 
 
 def test_a_score_that_is_not_a_number_is_named():
-    doc = {"id": "7", "contents": '"Lee Mantle"\nLee Mantle was a Senator.'}
-    server, url = serve_answer(200, {"result": [[{"document": doc, "score": "high"}]]})
+    server, url = serve_answer(200, {"result": [[{"document": LEE, "score": "high"}]]})
     try:
         with pytest.raises(RetrieverError, match=rf"retriever {url}/retrieve result\[0\]\[0\] "
                                                  r"has a \"score\" that is not a number "
@@ -586,12 +583,7 @@ class DropsFirstHandler(BaseHTTPRequestHandler):
         if type(self).calls == 1:
             self.close_connection = True
             return
-        doc = {"id": "7", "contents": '"Lee Mantle"\nLee Mantle was a Senator.'}
-        body = json.dumps({"result": [[doc]] * n}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send_json(self, 200, {"result": [[LEE]] * n})
 
     def log_message(self, *args):
         pass

@@ -142,9 +142,10 @@ class Allocator:
         max_continuations_per_prefix: most continuations from one prefix (None: no limit).
         seed: seed of the allocator's RNGs: one for exploration picks, drawn in
             ``plan_roots`` (identically on every rank: all plan the same global step), one
-            for random prefixes, drawn in stage 2 (``PrefixPlanner``; per rank, over its own trees, so
-            its draws differ between ranks and must not move the exploration stream);
-            ``start_step`` reseeds the latter from (seed, step, rank).
+            for random prefixes, drawn once per step by ``PrefixPlanner`` to seed its
+            per-prompt generators (per rank, over its own trees, so its draws differ between
+            ranks and must not move the exploration stream); ``start_step`` reseeds the latter
+            from (seed, step, rank).
     """
 
     def __init__(self, kind: Kind, roots: int, continuations: int, max_rollouts_per_prompt: int,
