@@ -159,6 +159,7 @@ class StepSummary:
     budget: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)
     cold_start: bool = False
+    engine_calls: int = 0  # turns of the step (merged: the most of any rank)
 
 
 def summarize_step(step: RolloutStep) -> StepSummary:
@@ -171,7 +172,8 @@ def summarize_step(step: RolloutStep) -> StepSummary:
         sequence_tokens=sum(len(s.input_ids) for s in step.sequences),
         candidates=step.candidates, root_plan=list(step.root_plan),
         pool_returned=step.pool_returned, budget=asdict(step.budget),
-        seconds=dict(step.seconds), cold_start=step.cold_start)
+        seconds=dict(step.seconds), cold_start=step.cold_start,
+        engine_calls=step.engine_calls)
 
 
 def merge_summaries(parts: Sequence[StepSummary]) -> StepSummary:
@@ -193,7 +195,7 @@ def merge_summaries(parts: Sequence[StepSummary]) -> StepSummary:
         sequence_tokens=sum(p.sequence_tokens for p in parts),
         candidates=first.candidates, root_plan=first.root_plan,
         pool_returned=sum(p.pool_returned for p in parts), budget=budget, seconds=seconds,
-        cold_start=first.cold_start)
+        cold_start=first.cold_start, engine_calls=max(p.engine_calls for p in parts))
 
 
 # ---- metric sets -----------------------------------------------------------------------------

@@ -8,7 +8,9 @@ At epoch start (the step is ready, see ``callbacks._common``), over all ranks:
   ``perf/sync_s``: the datamodule's latest weight sync; ``perf/sync_logprob_diff``: its
   largest engine-vs-policy log-prob difference (max over ranks);
 - ``perf/prefix_cache_share``: prefill tokens served from the engine's prefix cache (0 for
-  the ``hf`` engine, which has none).
+  the ``hf`` engine, which has none);
+- ``perf/rollout_engine_calls``: the step's turns, one batched engine call each (most of any
+  rank): the longest chain of turns, which a prompt's stage 2 starting early keeps short.
 
 At epoch end: ``perf/train_s`` (time inside training batches, slowest rank: validation and
 rollouts excluded), ``perf/train_tokens_per_s`` (policy tokens, the ones the loss trains on,
@@ -84,6 +86,7 @@ class Throughput(RolloutCallback):
             out["perf/rollout_tokens_per_s"] = ratio(b.get("generated_tokens", 0),
                                                      sec.get("rollout", 0.0))
             out.update({f"perf/{k}_s": v for k, v in sec.items()})
+            out["perf/rollout_engine_calls"] = float(summary.engine_calls)
             out["perf/prefix_cache_share"] = ratio(b.get("cached_tokens", 0),
                                                    b.get("prefill_tokens", 0))
         if sync_diffs:

@@ -103,7 +103,7 @@ def build_step(epoch: int = 0, trees: list[RolloutTree] | None = None,
                                      generated_tokens=500, prefill_tokens=800, cached_tokens=200,
                                      tool_calls=6),
                        pool_returned=1, seconds={"rollout": 2.0, "predict": 0.5},
-                       cold_start=False)
+                       cold_start=False, engine_calls=7)
 
 
 # ---- expected values, derived by hand ------------------------------------------------------
@@ -222,7 +222,9 @@ def test_split_over_ranks_merges_to_the_same_metrics():
                                   cached_tokens=50, tool_calls=2), \
         Budget(leaves=7, generated_tokens=300, prefill_tokens=500, cached_tokens=150, tool_calls=4)
     r0.pool_returned, r1.pool_returned = 1, 0
+    r0.engine_calls, r1.engine_calls = 5, 9
     merged = merge_summaries([summarize_step(r0), summarize_step(r1)])
+    assert merged.engine_calls == 9  # ranks run their turns side by side: the longest
     _check(reward_variance_metrics(merged), EXPECTED_ROLLOUT)
     _check(allocation_metrics(merged)[0], EXPECTED_ALLOC)
     # a mean of the ranks' effective ratios would be (1/2 + 1) / 2 = .75, not 2/3

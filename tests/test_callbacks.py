@@ -54,6 +54,7 @@ EXPECTED_VAL = {
 EXPECTED_PERF = {
     "perf/rollout_tokens_per_s": 500 / 2.0, "perf/rollout_s": 2.0, "perf/predict_s": 0.5,
     "perf/sync_s": 0.25, "perf/sync_logprob_diff": 0.003, "perf/prefix_cache_share": 200 / 800,
+    "perf/rollout_engine_calls": 7.0,
 }
 
 

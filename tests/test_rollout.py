@@ -688,8 +688,10 @@ def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokeni
                       group_size=2)
     loop = AgentLoop(vllm_scripted, make_env(tokenizer, retriever, max_turns=max_turns),
                      SAMPLING)
+    calls = len(vllm_scripted.calls)
     step = collect_step(loop, alloc, examples, predict=None, predictor_nodes_seen=0, epoch=0,
                         seed=5, advantage="grpo", overlap=overlap)
+    assert step.engine_calls == len(vllm_scripted.calls) - calls > 0
     assert step.budget.leaves == 8 == len(step.sequences) and step.stage1 == [2, 2]
     bare = [len(t.bare_rollouts()) for t in step.trees]
     if max_turns == 1:

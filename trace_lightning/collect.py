@@ -45,6 +45,9 @@ class RolloutStep:
     # per tree of ``trees``, its stage-1 (planned) bare rollouts: indices 0..m-1; budget no
     # prefix could take adds bare rollouts after them (``unspent``). Empty: all are stage 1.
     stage1: list[int] = field(default_factory=list)
+    # turns the step ran, each one batched engine call (the oracle's probes included): the
+    # length of its longest chain of turns, which per-prompt stage 2 keeps short
+    engine_calls: int = 0
 
 
 def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAExample],
@@ -75,7 +78,7 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     sampled in two waves.
     """
     seconds: dict[str, float] = {}
-    tic = time.perf_counter()
+    tic, calls = time.perf_counter(), loop.engine_calls
     trees = [loop.new_tree(e) for e in candidates]
     cold = allocator.is_cold(predictor_nodes_seen)
     informed = allocator.kind in ("prompt", "trace", "oracle") and not cold
@@ -134,7 +137,8 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
                        root_plan=list(plan.rollouts), sequences=sequences, budget=budget,
                        pool_returned=planner.pool_returned if planner else 0,
                        unspent=planner.unspent if planner else 0, seconds=seconds,
-                       cold_start=plan.cold_start, stage1=[m for _, m in opened])
+                       cold_start=plan.cold_start, stage1=[m for _, m in opened],
+                       engine_calls=loop.engine_calls - calls)
 
 
 def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:

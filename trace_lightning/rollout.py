@@ -54,6 +54,7 @@ class AgentLoop:
         self.engine, self.env = engine, env
         self.sampling = replace(sampling, stop=list(env.stop))
         self.on_leaves = on_leaves  # told how many trajectories each turn finished
+        self.engine_calls = 0  # turns run so far: one batched engine call each
 
     def new_tree(self, example: QAExample) -> RolloutTree:
         ids, text = self.env.prompt(example.question)
@@ -125,6 +126,7 @@ class AgentLoop:
         return live
 
     def _turn(self, live: list[_Live], seed: int, total: Budget) -> list[_Live]:
+        self.engine_calls += 1
         outs: list[Completion] = [c[0] for c in self.engine.generate(
             [t.ids for t in live], replace(self.sampling, seed=seed))]
         room = [max(self.env.max_seq_tokens - len(t.ids), 0) for t in live]
