@@ -10,10 +10,11 @@ from ``--oracle-samples`` extra rollouts per node (not counted in its budget).
 
 Root predictions of prompts rolled out before are posteriors given their own past bare
 rollouts (``PromptHistory``, ``--history`` strength and ``--history-decay`` per step, as in
-configs/demo.yaml; ``--history 0`` turns it off; ``--history-belief`` hands them to the root
-solver as beliefs). ``--pool P`` draws the candidates from the first P training questions,
-so prompts recur every few steps as in multi-epoch training; with the default (all 600)
-few candidates have been rolled out before.
+configs/demo.yaml; ``--history 0`` turns it off; as in that config the root solver takes
+each posterior as a belief, unless ``--no-history-belief``). ``--pool P`` draws the
+candidates from the first P training questions, so prompts recur more often, as in training
+many epochs over a small set; with the default (all 600), 8 steps of 192 candidates draw
+each question about 2.5 times.
 
 Reported per allocator (means over steps):
 - effective ratio: share of prompts given budget whose tree holds a success and a failure;
@@ -25,7 +26,8 @@ Reported per allocator (means over steps):
 - leaves, generated tokens, tool calls per step; Brier skill of the predictions that steered
   the step (1 - Brier / Brier of the constant mean) on its nodes, its roots, its prefixes.
 
-    python benchmarks/allocation.py --pool 192 --history-belief   # about 8 min, 2 CPU cores
+    python benchmarks/allocation.py               # configs/demo.yaml's step; about 6 min here
+    python benchmarks/allocation.py --roots 32 --candidates 96 --steps 16   # a quarter of it
     python benchmarks/allocation.py --quick       # a smaller run
 
 Prints a table and ends with one JSON line.
@@ -67,13 +69,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo-dir", default="runs/demo/world",
                    help="a prepared demo: the main job (configs/demo.yaml) writes runs/demo/world")
-    p.add_argument("--roots", type=int, default=32, help="M: bare rollouts per step")
+    # the defaults are configs/demo.yaml's step: 128 x (1 + 1) leaves, 192 candidates, 8 steps
+    p.add_argument("--roots", type=int, default=128, help="M: bare rollouts per step")
     p.add_argument("--continuations", type=int, default=1, help="N per bare rollout")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-rollouts", type=int, default=8, help="m_max")
-    p.add_argument("--candidates", type=int, default=96)
+    p.add_argument("--candidates", type=int, default=192)
     p.add_argument("--explore-fraction", type=float, default=0.125)
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--oracle-samples", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -86,9 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="PromptHistory strength: root predictions become posteriors given each "
                         "prompt's past bare rollouts (0: off)")
     p.add_argument("--history-decay", type=float, default=0.9)
-    p.add_argument("--history-belief", action="store_true",
-                   help="PromptHistory(belief=True): the root solver gets each posterior as a "
-                        "belief worth strength + n rollouts (default: the mean, as exact)")
+    p.add_argument("--history-belief", action=argparse.BooleanOptionalAction, default=True,
+                   help="PromptHistory(belief=True), as configs/demo.yaml: the root solver gets "
+                        "each posterior as a belief worth strength + n rollouts "
+                        "(--no-history-belief: the mean, as exact)")
     p.add_argument("--pool", type=int, default=0,
                    help="draw candidates from the first POOL training questions (0: all), so "
                         "prompts recur across steps as in multi-epoch training")
