@@ -65,16 +65,20 @@ from trace_lightning.rollout import AgentLoop  # noqa: E402
 KINDS = ["uniform", "random_tree", "prompt", "trace", "oracle"]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """The demo world and configs/demo.yaml's step: 128 x (1 + 1) leaves, 192 candidates."""
     p.add_argument("--demo-dir", default="runs/demo/world",
                    help="a prepared demo: the main job (configs/demo.yaml) writes runs/demo/world")
-    # the defaults are configs/demo.yaml's step: 128 x (1 + 1) leaves, 192 candidates, 8 steps
     p.add_argument("--roots", type=int, default=128, help="M: bare rollouts per step")
     p.add_argument("--continuations", type=int, default=1, help="N per bare rollout")
+    p.add_argument("--candidates", type=int, default=192)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_step_args(p)  # and 8 steps, as the demo's 8 epochs
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-rollouts", type=int, default=8, help="m_max")
-    p.add_argument("--candidates", type=int, default=192)
     p.add_argument("--explore-fraction", type=float, default=0.125)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup-steps", type=int, default=3)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from allocation import OnlinePredictor, demo_world  # noqa: E402
+from allocation import OnlinePredictor, add_step_args, demo_world  # noqa: E402
 
 from trace_lightning.allocators import Allocator  # noqa: E402
 from trace_lightning.collect import collect_step  # noqa: E402
@@ -56,11 +56,7 @@ class CountingEngine:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--demo-dir", default="runs/demo/world",
-                   help="a prepared demo: the main job (configs/demo.yaml) writes runs/demo/world")
-    p.add_argument("--roots", type=int, default=128, help="M: bare rollouts per step")
-    p.add_argument("--continuations", type=int, default=1, help="N per bare rollout")
-    p.add_argument("--candidates", type=int, default=192)
+    add_step_args(p)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--kinds", default="random_tree,trace")
