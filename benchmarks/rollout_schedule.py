@@ -43,17 +43,6 @@ from trace_lightning.history import PromptHistory  # noqa: E402
 SCHEDULES = ("overlap", "two_wave")
 
 
-class CountingEngine:
-    """The real engine; counts its ``generate`` calls and the prompts in each."""
-
-    def __init__(self, engine):
-        self.engine, self.batches = engine, []
-
-    def generate(self, prompts, sampling, n=1):
-        self.batches.append(len(prompts) * n)
-        return self.engine.generate(prompts, sampling, n)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_step_args(p)
@@ -71,11 +60,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.steps, args.warmup_steps = 2, 1
     torch.manual_seed(args.seed)
-    counter: list[CountingEngine] = []
-    policy, loop, questions = demo_world(
-        args.demo_dir, args.seed, 1.0, engine_wrapper=lambda e: counter.append(
-            CountingEngine(e)) or counter[0])
-    engine = counter[0]
+    policy, loop, questions = demo_world(args.demo_dir, args.seed, 1.0)
     rng = np.random.default_rng(args.seed)
 
     def allocator(kind: str) -> Allocator:
@@ -100,14 +85,14 @@ def main(argv=None) -> dict:
             order = SCHEDULES if s % 2 == 0 else SCHEDULES[::-1]  # cancel drift
             for schedule in order:
                 predictor.model.load_state_dict(snapshot)
-                engine.batches = []
                 step = collect_step(loop, allocator(kind), cands, predictor.predict,
                                     predictor.nodes_seen, epoch=s, seed=args.seed + 10 * s,
                                     advantage="grpo", overlap=schedule == "overlap")
                 figs[(kind, schedule)].append({
                     "rollout_s": step.seconds["rollout"], "predict_s": step.seconds["predict"],
-                    "engine_calls": len(engine.batches),
-                    "per_call": float(np.mean(engine.batches)),
+                    "engine_calls": step.engine_calls,
+                    # every turn adds one node per trajectory it ran
+                    "per_call": sum(len(t.nodes) - 1 for t in step.trees) / step.engine_calls,
                     "leaves": step.budget.leaves,
                     "generated_tokens": step.budget.generated_tokens})
                 if schedule == "overlap" and (kind == "trace" or learn_from is None):

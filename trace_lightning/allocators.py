@@ -50,12 +50,12 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from trace_lightning.allocation import (
-    unflatten,
     draw_random,
     solve_prefixes,
     solve_roots,
     spend_pool,
     spendable_roots,
+    unflatten,
 )
 from trace_lightning.tree import Node, RolloutTree
 
