@@ -4,7 +4,7 @@
 epochs: config, safetensors weights, tokenizer and ``trace_lightning.json`` (epochs trained,
 the policy optimizer's steps), ready for ``AutoModelForCausalLM.from_pretrained`` or
 ``vllm serve``. Under FSDP the shards are gathered onto rank 0's CPU, which alone writes;
-every rank takes part in the gather. For a checkpoint after the fact:
+every rank takes part in the gather, and every rank raises when rank 0's write fails. For a checkpoint after the fact:
 ``trace-lightning-export`` (``trace_lightning/export.py``).
 """
 
@@ -91,11 +91,22 @@ class ExportPolicy(pl.Callback):
         root = self._root(trainer)  # every rank: log_dir is a broadcast
         state = dict(policy_weights(pl_module.policy, rank0_cpu=True))
         out = root / name
+        error, problem = None, None
         if trainer.is_global_zero:
             # global_step: Lightning's count, what exports recorded before policy_steps
             meta = {"epochs": epochs_done, "policy_steps": policy_optimizer_steps(trainer),
                     "global_step": trainer.global_step}
-            save_policy(state, pl_module.hparams.policy_path, out, self.dtype, meta)
-            self.exported.append(out)
-        trainer.strategy.barrier("ExportPolicy")
+            try:
+                save_policy(state, pl_module.hparams.policy_path, out, self.dtype, meta)
+                self.exported.append(out)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, then it is raised
+                error, problem = e, f"{type(e).__name__}: {e}"
+        # every rank stops on a failed write, with its reason: ranks started outside
+        # Lightning (torchrun, srun) would otherwise wait for rank 0 in a collective until
+        # the process group's timeout (NCCL)
+        problem = trainer.strategy.broadcast(problem)
+        if error is not None:
+            raise error
+        if problem:
+            raise RuntimeError(f"ExportPolicy: rank 0 could not write {out}: {problem}")
         return out

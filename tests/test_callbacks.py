@@ -12,10 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -26,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from callbacks import (AllocationSpread, PredictorCalibration, QAAccuracy, RewardVariance,
                        Throughput, TreeSamples)
+from launch import run_ranks
 from test_callback_stats import (EXPECTED_ALLOC, EXPECTED_PREDICTOR, EXPECTED_ROLLOUT,
                                  build_step)
 
@@ -368,34 +366,13 @@ if __name__ == "__main__":
 '''
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_reduce_over_the_union_of_examples(tmp_path):
     """Two CPU processes (gloo), started side by side as torchrun would (Lightning sees
     LOCAL_RANK and joins them instead of re-launching the script one after the other)."""
     script = tmp_path / "ddp_script.py"
     script.write_text(DDP_SCRIPT)
-    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-                NODE_RANK="0")
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
-                              env=dict(base, LOCAL_RANK=str(r), RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out[-4000:]}"
+    for r, (rc, out) in enumerate(run_ranks(script, [str(tmp_path)], tmp_path)):
+        assert rc == 0, f"rank {r} failed:\n{out[-4000:]}"
     res = json.loads((tmp_path / "result.json").read_text())
     # union: hotpotqa (1+1+0+0+0+1)/6 = .5 (a mean of the ranks' means: (1 + .25)/2 = .625);
     # nq (1+0+0)/3 (mean of means .5); val/em = (.5 + 1/3) / 2

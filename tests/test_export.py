@@ -448,3 +448,64 @@ def test_export_callback_records_the_policy_optimizers_steps(model_dir, tmp_path
     assert trainer.global_step == 8  # 2 batches x (3 predictor + 1 policy) steps
     meta = json.loads((tmp_path / "p" / "last" / META_FILE).read_text())
     assert (meta["epochs"], meta["policy_steps"]) == (1, 2)
+
+
+EXPORT_RANKS_SCRIPT = '''
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+
+from callbacks import ExportPolicy
+
+policy_path, out = sys.argv[1], Path(sys.argv[2])
+
+class LM(L.LightningModule):
+    def __init__(self, policy_path: str):
+        super().__init__()
+        self.save_hyperparameters()
+        self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
+
+    def training_step(self, batch, batch_idx):
+        return self.policy(input_ids=batch, labels=batch).loss
+
+    def on_train_epoch_end(self):  # after ExportPolicy's check, before its export
+        if self.global_rank == 0:
+            (out / "last").mkdir(parents=True)
+            (out / "last" / "notes.txt").write_text("keep me")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.policy.parameters(), lr=0.1)
+
+data = DataLoader(torch.randint(0, 1024, (4, 16), generator=torch.Generator().manual_seed(0)),
+                  batch_size=1)
+trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                    callbacks=[ExportPolicy(dirpath=str(out))], enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(LM(policy_path), data)
+'''
+
+
+def test_a_failed_export_stops_every_rank(model_dir, tmp_path):
+    """Two ranks started side by side (as srun or torchrun would; Lightning kills no rank
+    then): rank 0's write fails (a folder of the user's appeared as ``last`` during training),
+    and rank 1, which waited for it, stops too, naming rank 0's reason. Before, rank 1 waited
+    in a barrier: under NCCL until the process group's timeout (30 min), here under gloo it
+    failed at once with "Connection closed by peer" and no reason. The user's folder is
+    untouched."""
+    from launch import run_ranks
+
+    script = tmp_path / "export_ranks.py"
+    script.write_text(EXPORT_RANKS_SCRIPT)
+    out = tmp_path / "policy"
+    (rc0, out0), (rc1, out1) = run_ranks(script, [str(model_dir), str(out)], tmp_path,
+                                         timeout=180)
+    assert rc1 is not None, f"rank 1 still waiting after rank 0 failed:\n{out1[-3000:]}"
+    assert rc0 not in (0, None) and rc1 != 0, (out0[-3000:], out1[-3000:])
+    assert "FileExistsError" in out0 and "last exists and is not a previous export" in out0
+    assert "ExportPolicy: rank 0 could not write" in out1, out1[-3000:]
+    assert "last exists and is not a previous export" in out1
+    assert (out / "last" / "notes.txt").read_text() == "keep me"

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from launch import free_port
 from trace_lightning.datasets import load_qa
 from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Passage, RetrieverError
 from trace_lightning.retrieval.server import serve_in_thread
@@ -50,13 +51,6 @@ def post(url: str, body: bytes, path: str = "/retrieve") -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_handler(handler: type[BaseHTTPRequestHandler]):
