@@ -61,16 +61,25 @@ class ExportPolicy(pl.Callback):
         """A ``dirpath`` whose ``last`` is not replaceable (see ``check_out``) fails now, not
         after training."""
         root = self._root(trainer)  # every rank: log_dir is a broadcast
-        problem = None
+        error, problem = None, None
         if trainer.is_global_zero:
             try:
                 check_out(root / "last", [pl_module.hparams.policy_path])
-            except FileExistsError as e:
-                problem = str(e)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, then it is raised
+                error, problem = e, f"{type(e).__name__}: {e}"
         # every rank stops (one left alone would wait in the next collective)
+        self._raise_on_every_rank(trainer, error, problem, f"check {root / 'last'}")
+
+    @staticmethod
+    def _raise_on_every_rank(trainer: pl.Trainer, error: Exception | None,
+                             problem: str | None, what: str) -> None:
+        """Rank 0's ``error`` (``problem``: its text) raised there, and on the others as a
+        RuntimeError naming it (a collective)."""
         problem = trainer.strategy.broadcast(problem)
+        if error is not None:
+            raise error
         if problem:
-            raise FileExistsError(problem)
+            raise RuntimeError(f"ExportPolicy: rank 0 could not {what}: {problem}")
 
     def _root(self, trainer: pl.Trainer) -> Path:
         return Path(self.dirpath) if self.dirpath else Path(
@@ -93,10 +102,10 @@ class ExportPolicy(pl.Callback):
         out = root / name
         error, problem = None, None
         if trainer.is_global_zero:
-            # global_step: Lightning's count, what exports recorded before policy_steps
-            meta = {"epochs": epochs_done, "policy_steps": policy_optimizer_steps(trainer),
-                    "global_step": trainer.global_step}
             try:
+                # global_step: Lightning's count, what exports recorded before policy_steps
+                meta = {"epochs": epochs_done, "policy_steps": policy_optimizer_steps(trainer),
+                        "global_step": trainer.global_step}
                 save_policy(state, pl_module.hparams.policy_path, out, self.dtype, meta)
                 self.exported.append(out)
             except Exception as e:  # noqa: BLE001 - every rank must hear of it, then it is raised
@@ -104,9 +113,5 @@ class ExportPolicy(pl.Callback):
         # every rank stops on a failed write, with its reason: ranks started outside
         # Lightning (torchrun, srun) would otherwise wait for rank 0 in a collective until
         # the process group's timeout (NCCL)
-        problem = trainer.strategy.broadcast(problem)
-        if error is not None:
-            raise error
-        if problem:
-            raise RuntimeError(f"ExportPolicy: rank 0 could not write {out}: {problem}")
+        self._raise_on_every_rank(trainer, error, problem, f"write {out}")
         return out

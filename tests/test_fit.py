@@ -249,8 +249,9 @@ def test_a_resumed_epoch_is_rolled_out_again_only_when_it_was_not_finished(demo_
         dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo_dir)),
                              policy_path=str(demo_dir / "model"))
         progress = SimpleNamespace(is_last_batch=finished)
-        dm.trainer = SimpleNamespace(current_epoch=3, fit_loop=SimpleNamespace(
-            epoch_loop=SimpleNamespace(batch_progress=progress)))
+        dm.trainer = SimpleNamespace(current_epoch=3, global_rank=0, world_size=1,
+                                     fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
+                                         batch_progress=progress)))
         dm.load_state_dict({**dm.state_dict(), "rollout_epoch": 3})
         dm.engine, dm._rollout = SimpleNamespace(wake_up=lambda: None, sleep=lambda: None), rollout
         if finished:
@@ -398,7 +399,8 @@ def test_a_callback_without_its_logger_fails_before_the_demo_is_built(tmp_path, 
     assert not demo.exists()
 
 
-def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_data, demo_dir):
+def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_data, demo_dir,
+                                                                        monkeypatch):
     """Before any engine starts: a training file with fewer questions than a step needs
     names --data.train (not candidates_per_step, which was not the problem); a validation set
     with fewer questions than processes (one would skip validation, the others hang) too."""
@@ -422,10 +424,14 @@ def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_d
                          corpus=str(hotpot / "corpus.jsonl"), policy_path=str(demo_dir / "model"),
                          allocator=uniform, val=[val])
     dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
+    told = []  # the other process (simulated: no process group here) did not fail
+    monkeypatch.setattr(TraceDataModule, "_any_failed",
+                        property(lambda self: lambda failed: told.append(failed) or failed))
     with pytest.raises(ValueError, match=r"'hotpotqa' \(.*dev_distractor.jsonl\) holds 1 "
                                          r"questions, fewer than the 2 processes"):
         dm.setup("validate")
     assert dm.engine is None  # nothing started
+    assert told == [False, True]  # prepare_data's agreement, then setup's, which failed
 
 
 def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, demo_dir,
@@ -705,3 +711,52 @@ def test_two_process_ddp_fit_shares_one_global_budget(demo_dir, tmp_path):
     # the training statistics are the mini-batches' over both ranks, not rank 0's share
     tokens = sum(sum(s.policy_mask) for trees in ranks for t in trees for s in t.flatten())
     assert sum(logged["train/policy_tokens"]) == tokens
+
+
+PREPARE_RANKS_SCRIPT = '''
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from trace_lightning.data import TraceDataModule
+from trace_lightning.data_config import DemoConfig
+
+out = Path(sys.argv[1])
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+# a policy that is not the demo's: prepare_data, on local rank 0 alone, refuses it
+dm = TraceDataModule(demo=DemoConfig(out_dir=str(out / "world")),
+                     policy_path=str(out / "not_the_demo_policy"))
+trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(Tiny(), datamodule=dm)
+'''
+
+
+def test_prepare_data_failing_on_rank_0_stops_every_rank(tmp_path):
+    """Lightning runs ``prepare_data`` on one process per node; when it fails there, the
+    other processes raise ``RankFailed`` at the start of setup, naming what failed, instead
+    of waiting for it in Lightning's barrier (a 30-minute NCCL timeout under srun; under
+    gloo here, a bare "Connection closed by peer")."""
+    from launch import run_ranks
+
+    script = tmp_path / "prepare_ranks.py"
+    script.write_text(PREPARE_RANKS_SCRIPT)
+    (rc0, out0), (rc1, out1) = run_ranks(script, [str(tmp_path)], tmp_path, timeout=180)
+    assert rc0 not in (0, None) and rc1 not in (0, None), (out0[-3000:], out1[-3000:])
+    assert "must be the demo's policy" in out0
+    assert "RankFailed: another process failed preparing the data (prepare_data)" in out1, \
+        out1[-3000:]

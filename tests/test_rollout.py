@@ -26,7 +26,7 @@ from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines import HFEngine, SamplingConfig, build_engine, make_probe, sync_weights
 from trace_lightning.environment import SearchEnvironment, parse_turn
 from trace_lightning.models import build_tiny_from_corpus
-from trace_lightning.retrieval import BM25Retriever
+from trace_lightning.retrieval import BM25Retriever, RetrieverError
 from trace_lightning.rollout import AgentLoop, Start
 from trace_lightning.tree import Budget, RolloutTree
 
@@ -509,9 +509,10 @@ def test_any_rank_keeps_every_rank_reporting_on_the_same_turns(vllm_scripted, re
     reports: list[int] = []
 
     def any_rank(mine: list[bool]) -> list[bool]:
-        peer = len(flags) < 3  # the peer reports and runs for three turns
+        peer = len(flags) < 3  # the peer reports and runs for three turns, and never fails
         flags.append(mine)
-        return [m or peer for m in mine]
+        report, more, failed = mine
+        return [report or peer, more or peer, failed]
 
     def then(done):
         reports.append(len(done))
@@ -520,14 +521,92 @@ def test_any_rank_keeps_every_rank_reporting_on_the_same_turns(vllm_scripted, re
     spent = loop.expand([Start(t, 0, 2) for t in trees], seed=0, then=then, any_rank=any_rank)
     assert spent.leaves == 4 and len(vllm_scripted.calls) == 1
     assert reports == [2, 0, 0]
-    assert flags == [[True, True], [False, False], [False, False], [False, False]]
+    # (report, more, failed) per turn
+    assert flags == [[True, True, False], [False, False, False], [False, False, False],
+                     [False, False, False]]
+
+
+class FailingRetriever:
+    """A retriever that answers ``good`` requests, then fails as a server gone down does."""
+
+    def __init__(self, inner, good: int):
+        self.inner, self.good = inner, good
+
+    def search(self, queries, topk):
+        if self.good == 0:
+            raise RetrieverError("retrieval server http://127.0.0.1:1 is down (test)")
+        self.good -= 1
+        return self.inner.search(queries, topk)
+
+
+@pytest.mark.parametrize("branching", [True, False])
+def test_a_turn_failing_on_one_rank_stops_every_rank(vllm_scripted, retriever, tokenizer,
+                                                     examples, branching):
+    """A rank whose retriever fails raises its own error, but only after telling the others
+    (the failed flag of its turn's ``any_rank``); a rank whose peer failed raises
+    ``RankFailed`` on that turn instead of looping on (it would wait in its next collective
+    for a peer that is gone). The same with and without stage 2 (``then``)."""
+    from trace_lightning.collectives import RankFailed
+
+    then = (lambda done: []) if branching else None
+    env = make_env(tokenizer, FailingRetriever(retriever, good=1), max_turns=4)
+    loop = AgentLoop(vllm_scripted, env, SAMPLING)
+    trees = [loop.new_tree(e) for e in examples[:2]]
+    sent: list[list[bool]] = []
+
+    def any_rank(mine):  # the peer has nothing left to do
+        sent.append(mine)
+        return mine
+
+    with pytest.raises(RetrieverError, match="is down"):
+        loop.expand([Start(t, 0, 2) for t in trees], seed=0, then=then, any_rank=any_rank)
+    assert [f[2] for f in sent] == [False, True]  # the second turn's search failed
+
+    env = make_env(tokenizer, retriever, max_turns=4)
+    loop = AgentLoop(vllm_scripted, env, SAMPLING)
+    trees = [loop.new_tree(e) for e in examples[:2]]
+    turns = []
+
+    def peer_fails_on_turn_2(mine):  # the peer runs on, and fails on turn 2
+        turns.append(mine)
+        return [mine[0], True, len(turns) == 2]
+
+    with pytest.raises(RankFailed, match="another process failed a rollout turn"):
+        loop.expand([Start(t, 0, 2) for t in trees], seed=0, then=then,
+                    any_rank=peer_fails_on_turn_2)
+    assert len(turns) == 2
+
+
+def test_a_failing_then_is_raised_on_every_rank_at_the_next_turns_flags(
+        vllm_scripted, retriever, tokenizer, examples):
+    """Stage 2 (``then``: planning, the oracle's probe rollouts) failing on one rank: it
+    runs no more turns, tells the others at the next turn's flags, then raises its error."""
+    env = make_env(tokenizer, retriever, max_turns=1)  # every episode ends on turn 1
+    loop = AgentLoop(vllm_scripted, env, SAMPLING)
+    trees = [loop.new_tree(e) for e in examples[:2]]
+    sent = []
+
+    def then(done):
+        raise ValueError("planning failed (test)")
+
+    def any_rank(mine):  # a peer with work left, which never fails itself
+        sent.append(mine)
+        return [mine[0], True, mine[2]]
+
+    with pytest.raises(ValueError, match="planning failed"):
+        loop.expand([Start(t, 0, 2) for t in trees], seed=0, then=then, any_rank=any_rank)
+    assert sent == [[True, True, False], [False, False, True]]
+    assert len(vllm_scripted.calls) == 1
 
 
 def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, corpus: str,
-                           cache_dir: str) -> None:
+                           cache_dir: str, max_turns: tuple[int, int] = (1, 4),
+                           fail_rank: int | None = None) -> None:
     """One rank of a two-process ``collect_step`` with ``trace``: the scripted policy samples
     (transformers engine), and the predictions run the featuriser through an FSDP-wrapped
-    copy, each of whose forwards is a collective, on the turns the rank's trees end."""
+    copy, each of whose forwards is a collective, on the turns the rank's trees end.
+    ``fail_rank``: that rank's retriever fails after its first request; each rank writes
+    the error it stopped with."""
     import datetime
     from functools import partial
 
@@ -557,9 +636,12 @@ def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, 
             for n in [t.root, *t.prefixes()]:
                 n.prediction = 0.5
 
-    # rank 0's episodes end on turn 1 (its pool is spent at once), rank 1's run to 4 turns
-    env = make_env(tokenizer, BM25Retriever(corpus, cache_dir=cache_dir),
-                   max_turns=1 if rank == 0 else 4)
+    # by default rank 0's episodes end on turn 1 (its pool is spent at once), rank 1's run
+    # to 4 turns
+    retriever = BM25Retriever(corpus, cache_dir=cache_dir)
+    if rank == fail_rank:
+        retriever = FailingRetriever(retriever, good=1)
+    env = make_env(tokenizer, retriever, max_turns=max_turns[rank])
     loop = AgentLoop(HFEngine(policy, tokenizer=tokenizer), env, SAMPLING)
     examples = load_qa(Path(corpus).parent / "dev_distractor.jsonl", limit=12)
     alloc = Allocator("trace", roots=16, continuations=1, max_rollouts_per_prompt=2,
@@ -570,6 +652,9 @@ def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, 
                             any_rank=partial(any_rank, device=torch.device("cpu")))
         json_out = {"calls": calls, "leaves": step.budget.leaves,
                     "continuations": sum(n.continuations for t in step.trees for n in t.nodes)}
+    except Exception as e:  # written, not raised: spawn would kill the other rank
+        json_out = {"error": type(e).__name__, "message": str(e)}
+    try:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(json_out))
     finally:
         dist.destroy_process_group()
@@ -592,6 +677,22 @@ def test_ranks_branch_on_turns_of_their_own_and_still_meet(model_dir, shared_dat
     # prefix); it then predicts nothing on each turn rank 1 reports on
     assert r0["calls"][1] > 0 and set(r0["calls"][2:]) == {0} and r0["continuations"] == 0
     assert r1["continuations"] > 0
+
+
+def test_a_retriever_failing_on_one_rank_stops_both(model_dir, shared_data, bm25, tmp_path):
+    """Two processes (gloo), ``trace``: rank 1's retriever goes down after its first
+    request. Rank 1 stops with the retriever's error, and rank 0, which has its own
+    trajectories still running, stops on the same turn with ``RankFailed`` (before, it went
+    on into its next collective, where under NCCL it waited for the process group's
+    timeout)."""
+    torch.multiprocessing.spawn(
+        _stage_two_rank_worker, nprocs=2, join=True,
+        args=(2, str(tmp_path), str(model_dir), str(shared_data / "hotpotqa" / "corpus.jsonl"),
+              str(bm25.index_dir.parent), (4, 4), 1))
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r1["error"] == "RetrieverError" and "is down" in r1["message"]
+    assert r0["error"] == "RankFailed", r0
+    assert "another process failed a rollout turn" in r0["message"]
 
 
 # ---- the transformers engine -----------------------------------------------------------------

@@ -198,3 +198,53 @@ def test_policy_weights_gathered_from_fsdp2_shards(model_dir, policy, tmp_path):
             torch.testing.assert_close(got["weights"][name], tensor, atol=0, rtol=0)
         torch.testing.assert_close(torch.tensor(got["logprobs"]), torch.tensor(want_lp),
                                    atol=1e-5, rtol=0)
+
+
+def _failing_engine_worker(rank: int, world: int, model_dir: str, out_dir: str) -> None:
+    """Rank 1's engine fails as it starts to load the weights (as an out-of-memory error
+    would), before it took any; rank 0's syncs fine. Each rank writes what it stopped with."""
+    import datetime
+    import json
+    from functools import partial
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from trace_lightning.collectives import any_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    engine = build_engine("hf", model_dir)
+    if rank == 1:
+        def load_weights(weights):  # the gather runs on the stream's first item
+            raise RuntimeError("engine out of memory (test)")
+        engine.load_weights = load_weights
+    agree = partial(any_rank, device=torch.device("cpu"))
+    try:
+        synced = sync_weights(model, engine, make_probe(vocab_size=1024, length=32),
+                              any_failed=lambda failed: agree([failed])[0])
+        out = {"diff": synced.diff}
+    except Exception as e:  # written, not raised: spawn would kill the other rank
+        out = {"error": type(e).__name__, "message": str(e)}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def test_an_engine_failing_on_one_rank_stops_every_rank(model_dir, tmp_path):
+    """Under FSDP (2 CPU processes, gloo) rank 1's engine fails at the load: rank 1 still
+    joins the gather (the stream drained) and the policy's forward, then every rank stops together,
+    rank 1 with its engine's error and rank 0 with ``RankFailed``, instead of rank 0 going
+    on into its next collective while rank 1 is gone (or waits in another collective)."""
+    import json
+
+    torch.multiprocessing.spawn(_failing_engine_worker, args=(2, str(model_dir), str(tmp_path)),
+                                nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r1 == {"error": "RuntimeError", "message": "engine out of memory (test)"}
+    assert r0["error"] == "RankFailed", r0
+    assert "another process failed syncing the policy's weights" in r0["message"]

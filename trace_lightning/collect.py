@@ -65,8 +65,8 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     one (the data module passes rank 0's to all): each rank computes its own predictions,
     and a last-bit difference between them (GPU kernels) could flip a solver's choice, so a
     prompt would be rolled out twice and another not at all. ``any_rank`` (several
-    processes) ORs flags over the ranks, so that every rank predicts on the same turns (see
-    ``AgentLoop.expand``).
+    processes) ORs flags over the ranks, so that every rank predicts on the same turns and
+    a turn that fails on one rank stops them all (see ``AgentLoop.expand``).
 
     Stage 2 (branching kinds) runs per prompt: after each turn, the prompts whose bare
     rollouts have all ended get their prefixes predicted and their continuations planned
@@ -119,12 +119,12 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     tic, predicted = time.perf_counter(), seconds["predict"]
     first = [Start(t, 0, m) for t, m in opened]
     if planner is None:
-        budget = loop.expand(first, seed=seed)
+        budget = loop.expand(first, seed=seed, any_rank=any_rank)
     elif overlap:
         budget = loop.expand(first, seed=seed, then=branch, any_rank=any_rank)
     else:
-        budget = loop.expand(first, seed=seed)
-        budget.add(loop.expand(branch(chosen), seed=seed + 1))
+        budget = loop.expand(first, seed=seed, any_rank=any_rank)
+        budget.add(loop.expand(branch(chosen), seed=seed + 1, any_rank=any_rank))
     # the predictions made between turns are counted as "predict", not "rollout"
     seconds["rollout"] = time.perf_counter() - tic - (seconds["predict"] - predicted)
 

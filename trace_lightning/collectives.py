@@ -1,12 +1,19 @@
-"""Collectives the module and the data module share: every rank's objects, rank 0's object.
+"""Collectives the module and the data module share: every rank's objects, rank 0's object,
+and failing together.
 
 The gathers return their input on one process (``trainer`` None or ``world_size`` 1).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 def all_gather_list(items: list, trainer) -> list:
@@ -41,3 +48,48 @@ def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     t = torch.tensor([int(f) for f in flags], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(x) for x in t.tolist()]
+
+
+class RankFailed(RuntimeError):
+    """Another process failed; this one stops with it (the error is in that process's log)."""
+
+
+def raise_together(error: Exception | None, any_failed: Callable[[bool], bool] | None,
+                   what: str) -> None:
+    """After work that can fail on one process alone (its files, its engine, its retriever's
+    requests): every process raises when any failed, the one that failed its own ``error``,
+    the others ``RankFailed``, instead of going on to wait for it in their next collective
+    (until the process group's timeout, with ranks that torchrun or srun started).
+
+    ``any_failed(flag)``: the flag OR-ed over the processes (a collective every process
+    calls); None on one process.
+    """
+    failed = error is not None
+    if any_failed is not None:
+        if error is not None:  # in this log even if another process never comes to agree
+            log.error("%s failed on this process (%s: %s); telling the others", what,
+                      type(error).__name__, error)
+        failed = any_failed(failed)
+    if failed:
+        raise_failed(error, what)
+
+
+def raise_failed(error: Exception | None, what: str) -> None:
+    """Stop after the processes agreed that one failed ``what``: the one that failed raises
+    its own ``error``, the others (``error`` None) ``RankFailed``."""
+    if error is not None:
+        raise error
+    raise RankFailed(f"another process failed {what}; its log has the error, and this "
+                     f"process stops with it")
+
+
+@contextlib.contextmanager
+def fail_together(what: str, any_failed: Callable[[bool], bool] | None) -> Iterator[None]:
+    """``raise_together`` around a block that runs no collective itself: one that failed on
+    one process would leave the others waiting in it."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - raised again below, on every process
+        error = e
+    raise_together(error, any_failed, what)

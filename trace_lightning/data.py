@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from trace_lightning.allocators import Allocator
 from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
-from trace_lightning.collectives import any_rank, from_rank0
+from trace_lightning.collectives import any_rank, fail_together, from_rank0, raise_together
 from trace_lightning.data_config import DemoConfig, EngineConfig, EnvConfig, EvalSet
 from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines.base import SamplingConfig
@@ -122,6 +123,7 @@ class TraceDataModule(L.LightningDataModule):
         self.train_examples: list[QAExample] = []
         self.val_examples: dict[str, list[QAExample]] = {}
         self._retrievers: dict[str, Retriever] = {}
+        self._prepare_error: Exception | None = None  # prepare_data's, raised in setup
         self._rng = np.random.default_rng(seed)
         self.last_step: RolloutStep | None = None  # read by the monitoring callbacks
         self.last_val_trees: dict[str, list[RolloutTree]] = {}
@@ -184,6 +186,17 @@ class TraceDataModule(L.LightningDataModule):
 
     # ---- Lightning hooks ----------------------------------------------------------------
     def prepare_data(self) -> None:
+        # Lightning calls this on one process per node: what fails here is raised on every
+        # process at the start of setup (the others would wait for this one in a barrier)
+        self._prepare_error = None
+        try:
+            self._prepare()
+        except Exception as e:  # noqa: BLE001 - raised in setup, on every process
+            if self._rank[1] == 1:
+                raise
+            self._prepare_error = e
+
+    def _prepare(self) -> None:
         fitting = self.trainer is None or self.trainer.state.fn == "fit"
         self._check_files(fitting, before_demo=True)
         if self.demo is not None:
@@ -199,6 +212,21 @@ class TraceDataModule(L.LightningDataModule):
             local_model_dir(self.policy_path)  # a hub id downloads here, once per node
 
     def setup(self, stage: str) -> None:
+        raise_together(self._prepare_error, self._any_failed,
+                       "preparing the data (prepare_data)")
+        with fail_together("setting up the data (files, retriever, corpora)",
+                           self._any_failed):
+            self._setup(stage)
+        if self.engine is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
+
+    def _setup(self, stage: str) -> None:
+        """Everything of ``setup`` that reads this process's files and services (no
+        collective), before the engine starts."""
         if self.demo is not None:
             from trace_lightning.demo.prepare import DemoPaths
 
@@ -242,12 +270,6 @@ class TraceDataModule(L.LightningDataModule):
         for v in self.val_sets:
             if v.corpus:
                 self._retriever(v.corpus)
-        if self.engine is None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
 
     def _qa_files(self, fitting: bool = True) -> list[tuple[str, str, int | None]]:
         """(flag, path, limit) of every QA file named (the training file when ``fitting``
@@ -316,12 +338,27 @@ class TraceDataModule(L.LightningDataModule):
         t = self.trainer
         return (t.global_rank, t.world_size) if t is not None else (0, 1)
 
+    @property
+    def _any_rank(self) -> Callable[[list[bool]], list[bool]] | None:
+        """``collectives.any_rank`` on this process's device; None on one process."""
+        if self._rank[1] == 1:
+            return None
+        return partial(any_rank, device=self.trainer.strategy.root_device)
+
+    @property
+    def _any_failed(self) -> Callable[[bool], bool] | None:
+        """A failure flag OR-ed over the processes (``collectives.raise_together``)."""
+        agree = self._any_rank
+        return None if agree is None else (lambda failed: agree([failed])[0])
+
     def _sync(self) -> None:
         """Copy the policy's weights into the engine and check the copy."""
         module = self.trainer.lightning_module
         probe = [self._env(None, search=False).prompt(self._probe_question())[0][:64]]
         tic = time.perf_counter()
-        self.sync_diff = module.sync_to_engine(self.engine, probe, self.engine_cfg.sync_atol)
+        # an engine failing on one process stops every process (sync_weights)
+        self.sync_diff = module.sync_to_engine(self.engine, probe, self.engine_cfg.sync_atol,
+                                               any_failed=self._any_failed)
         self.timings["sync"] = time.perf_counter() - tic
         self._synced_step = self.trainer.global_step
 
@@ -333,7 +370,8 @@ class TraceDataModule(L.LightningDataModule):
     def _engine_turn(self):
         """The engine is awake only while it syncs and samples; the trainer gets the
         accelerator back after each rollout or validation phase (``engine.sleep``)."""
-        self.engine.wake_up()
+        with fail_together("waking the rollout engine", self._any_failed):
+            self.engine.wake_up()
         try:
             yield
         finally:
@@ -360,7 +398,8 @@ class TraceDataModule(L.LightningDataModule):
         module.receive_step(step)
         epoch, (rank, _) = self.trainer.current_epoch, self._rank
         if self.trees_dir:
-            write_jsonl(step.trees, Path(self.trees_dir) / f"epoch_{epoch}_rank_{rank}.jsonl")
+            with fail_together("writing the step's trees (--data.trees_dir)", self._any_failed):
+                write_jsonl(step.trees, Path(self.trees_dir) / f"epoch_{epoch}_rank_{rank}.jsonl")
         batches = self._batches(step)
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
 
@@ -395,8 +434,7 @@ class TraceDataModule(L.LightningDataModule):
                             seed=int(self._rng.integers(2**31 - 1)) + 2 * rank,
                             advantage=self.advantage, shard=(rank, world),
                             agree=from_rank0 if world > 1 else None,
-                            any_rank=partial(any_rank, device=module.device)
-                            if world > 1 else None)
+                            any_rank=self._any_rank)
         if bar is not None:
             bar.close()
         self.last_step = step
@@ -456,7 +494,7 @@ class TraceDataModule(L.LightningDataModule):
             sampling = SamplingConfig(temperature=self.val_temperature, top_p=1.0,
                                       max_tokens=self.sampling.max_tokens, seed=self.seed)
             trees = sample_trees(self.engine, self._env(v.corpus), mine, n=self.val_samples,
-                                 sampling=sampling, seed=self.seed)
+                                 sampling=sampling, seed=self.seed, any_rank=self._any_rank)
         self.last_val_trees[v.name] = trees
         self.last_val_step = self.trainer.global_step
         self.timings["validation_rollout"] = time.perf_counter() - tic

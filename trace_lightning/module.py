@@ -15,6 +15,7 @@ divisor is their summed tokens over the rank count, and DDP / FSDP average the g
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import lightning as L
 import torch
@@ -251,17 +252,20 @@ class TraceModule(L.LightningModule):
         return self._predictor_opt
 
     # ---- called by the DataModule during the rollout phase ------------------------------
-    def sync_to_engine(self, engine, probe: list[list[int]], atol: float) -> float:
+    def sync_to_engine(self, engine, probe: list[list[int]], atol: float,
+                       any_failed: Callable[[bool], bool] | None = None) -> float:
         """Load the policy's weights into ``engine`` and check its log-probs; returns the
         largest log-prob difference on ``probe`` (raises WeightSyncError above ``atol``).
 
         Under FSDP the policy is its own FSDP root (see ``configure_model``): its forward
         gathers every parameter and its state dict gathers to full HF names. The policy's
         probe log-probs of the last sync into the same engine and probe let the check catch
-        an engine the load left unchanged (see ``sync_weights``)."""
+        an engine the load left unchanged (see ``sync_weights``). ``any_failed``: several
+        processes agree on a failure (``sync_weights``)."""
         last = self._last_sync
         previous = last[2] if last and last[0] is engine and last[1] == probe else None
-        synced = sync_weights(self.policy, engine, probe, atol=atol, previous=previous)
+        synced = sync_weights(self.policy, engine, probe, atol=atol, previous=previous,
+                              any_failed=any_failed)
         self._last_sync = (engine, probe, synced.policy_logprobs)
         return synced.diff
 

