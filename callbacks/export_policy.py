@@ -4,8 +4,8 @@
 epochs: config, safetensors weights, tokenizer and ``trace_lightning.json`` (epochs trained,
 the policy optimizer's steps), ready for ``AutoModelForCausalLM.from_pretrained`` or
 ``vllm serve``. Under FSDP the shards are gathered onto rank 0's CPU, which alone writes;
-every rank takes part in the gather, and every rank raises when rank 0's write fails. For a checkpoint after the fact:
-``trace-lightning-export`` (``trace_lightning/export.py``).
+every rank takes part in the gather, and every rank raises when rank 0's write fails. For a
+checkpoint after the fact: ``trace-lightning-export`` (``trace_lightning/export.py``).
 """
 
 from __future__ import annotations

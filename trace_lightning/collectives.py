@@ -66,12 +66,19 @@ def raise_together(error: Exception | None, any_failed: Callable[[bool], bool] |
     """
     failed = error is not None
     if any_failed is not None:
-        if error is not None:  # in this log even if another process never comes to agree
-            log.error("%s failed on this process (%s: %s); telling the others", what,
-                      type(error).__name__, error)
+        if error is not None:
+            log_failure(error, what)
         failed = any_failed(failed)
     if failed:
         raise_failed(error, what)
+
+
+def log_failure(error: Exception, what: str) -> Exception:
+    """Log this process's ``error`` before the processes agree on it: it is in this log even
+    if another process never comes to agree (stuck in some other collective)."""
+    log.error("%s failed on this process (%s: %s); telling the others", what,
+              type(error).__name__, error)
+    return error
 
 
 def raise_failed(error: Exception | None, what: str) -> None:

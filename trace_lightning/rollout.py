@@ -9,20 +9,17 @@ tool calls: the observations are already in the prefix).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from trace_lightning.collectives import raise_failed
+from trace_lightning.collectives import log_failure, raise_failed
 from trace_lightning.datasets import QAExample
 from trace_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
 from trace_lightning.environment import SearchEnvironment, parse_turn, through_first_stop
 from trace_lightning.tree import Budget, RolloutTree
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,7 +101,7 @@ class AgentLoop:
                 except Exception as e:  # noqa: BLE001 - raised below, on every rank
                     if any_rank is None:
                         raise
-                    error = self._failed(e)
+                    error = log_failure(e, "a rollout turn")
             running = {id(t.tree) for t in live}
             done = [t for t in waiting if id(t) not in running]
             waiting = [t for t in waiting if id(t) in running]
@@ -120,16 +117,9 @@ class AgentLoop:
                     if any_rank is None:
                         raise
                     # ``more`` was true on every rank (``report`` is), so all come round again
-                    error = self._failed(e)
+                    error = log_failure(e, "a rollout turn")
             if not more:
                 return total
-
-    @staticmethod
-    def _failed(error: Exception) -> Exception:
-        # in this log even if another rank never comes to agree (stuck in a collective)
-        log.error("a rollout turn failed on this rank (%s: %s); telling the others",
-                  type(error).__name__, error)
-        return error
 
     def _start(self, starts: Sequence[Start]) -> list[_Live]:
         """One live trajectory per count of each start; a new bare rollout gets its tree's

@@ -168,7 +168,7 @@ def sync_weights(policy: nn.Module, engine: RolloutEngine, probe: list[list[int]
         RankFailed: when another process failed its sync.
     """
     error: Exception | None = None
-    before = got = None
+    before = None
     try:
         before = engine.prompt_logprobs(probe) if previous is not None else None
     except Exception as e:  # noqa: BLE001 - raised below, after the collectives
