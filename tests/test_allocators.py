@@ -385,6 +385,11 @@ def test_too_few_candidates_name_the_pool_flag():
     assert sorted(plan.rollouts) == [4, 4] and sum(plan.random_picks) == 1
     with pytest.raises(ValueError, match=r"--data.candidates_per_step \(1\) is too small"):
         allocator("trace", explore_fraction=0.5).plan_roots(1, [0.5])
+    # fewer candidates than exploration prompts (3 of 4 rollouts in 24): the pool flag, not
+    # the solver's internals
+    with pytest.raises(ValueError, match=r"--data.candidates_per_step \(2\) is below the 3 "
+                                         r"exploration prompts"):
+        Allocator("prompt", 8, 2, 6, 4, explore_fraction=0.5).plan_roots(2, [0.5] * 2, 10)
     # the fewest candidates each plans from (data.py checks the config against it)
     assert allocator("uniform").prompts_needed == 6  # 24 / 4
     assert allocator("trace", explore_fraction=0.5).prompts_needed == 2  # 4/6 -> 1, + 1

@@ -290,6 +290,10 @@ class Allocator:
             raise ValueError(f"kind {self.kind!r} needs one prediction per candidate "
                              f"({n_candidates}), got {got}")
         n_explore = self.n_explore
+        if n_candidates < n_explore:
+            raise ValueError(f"{cand} ({n_candidates}) is below the {n_explore} exploration "
+                             f"prompts of kind {self.kind!r} (explore_fraction "
+                             f"{self.explore_fraction}); raise it")
         solve = self.root_budget - n_explore * self.group_size
         k = None if self.prompts_per_step is None else self.prompts_per_step - n_explore
         # leave the exploration prompts outside the solver's choice
