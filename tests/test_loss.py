@@ -40,6 +40,10 @@ def test_policy_loss_by_hand():
     assert stats["clip_frac_high"].item() == 0.0
     # approx_kl (k1) = mean(old - logp) = (0 + (-0.1) + 0.5) / 3 = 0.133333.
     assert stats["approx_kl"].item() == pytest.approx(0.4 / 3, rel=RTOL, abs=ATOL)
+    # k3 of the same KL(old || new) (samples from old), r = new / old: mean((r - 1) - log r)
+    # = (0 + (e^0.1 - 1 - 0.1) + (e^-0.5 - 1 + 0.5)) / 3 = (0.005171 + 0.106531) / 3 = 0.037234
+    # (the ratio upside down, old / new, gives 0.051186)
+    assert stats["approx_kl_k3"].item() == pytest.approx(0.0372339, rel=1e-4)
     # ratio over mask tokens: mean (1 + 1.105171 + 0.606531)/3 = 0.903901, max 1.105171.
     assert stats["ratio_mean"].item() == pytest.approx((1 + math.exp(0.1) + math.exp(-0.5)) / 3,
                                                        rel=RTOL)

@@ -320,7 +320,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "clip_frac_high": (high.to(m.dtype).sum() / n_tokens),
             "clip_frac_dual": (dual.to(m.dtype).sum() / n_tokens),
             "approx_kl": (neg * m).sum() / n_tokens,
-            "approx_kl_k3": ((torch.exp(neg) - neg - 1.0) * m).sum() / n_tokens,
+            # k3 of the same KL(old || new), tokens sampled from old: (r - 1) - log r
+            "approx_kl_k3": ((torch.exp(-neg) + neg - 1.0) * m).sum() / n_tokens,
             "ratio_mean": (r * m).sum() / n_tokens,
             "ratio_max": torch.where(valid, r, torch.zeros_like(r)).max(),
             "tokens": m.sum(),
