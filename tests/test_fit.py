@@ -760,3 +760,90 @@ def test_prepare_data_failing_on_rank_0_stops_every_rank(tmp_path):
     assert "must be the demo's policy" in out0
     assert "RankFailed: another process failed preparing the data (prepare_data)" in out1, \
         out1[-3000:]
+
+
+CHECKPOINT_RANKS_SCRIPT = '''
+import json
+import os
+import sys
+from pathlib import Path
+
+from trace_lightning.cli import main
+
+demo, out = Path(sys.argv[1]), Path(sys.argv[2])
+args = json.loads(sys.argv[3])
+# each process keeps its logs for itself, as on nodes without a shared file system: only
+# process 0's folder holds an earlier run's last checkpoint (never loaded: setup stops first)
+root = out / f"node_{os.environ['RANK']}"
+if os.environ["RANK"] == "0":
+    (root / "tensorboard" / "version_0" / "checkpoints").mkdir(parents=True)
+    (root / "tensorboard" / "version_0" / "checkpoints" / "last.ckpt").write_bytes(b"")
+main(["fit", *args, f"--trainer.default_root_dir={root}",
+      f"--trainer.logger.init_args.save_dir={root}", "--trainer.devices=2",
+      "--trainer.strategy=ddp", "--ckpt_path=last"])
+'''
+
+
+def test_processes_finding_different_last_checkpoints_all_stop(demo_dir, tmp_path):
+    """``--ckpt_path last`` is resolved by each process in its own log folder; where those
+    differ (node-local folders), one process would resume and the other start afresh, or
+    wait for it in the load. Both stop at setup, before any engine starts, with one error
+    that lists what each found."""
+    from launch import run_ranks
+
+    script = tmp_path / "checkpoint_ranks.py"
+    script.write_text(CHECKPOINT_RANKS_SCRIPT)
+    args = [a for a in demo_args(demo_dir, tmp_path, 1)
+            if not a.startswith(("--trainer.default_root_dir", "--trainer.logger.init_args"))]
+    results = run_ranks(script, [str(demo_dir), str(tmp_path), json.dumps(args)], tmp_path,
+                        timeout=300)
+    found = tmp_path / "node_0" / "tensorboard" / "version_0" / "checkpoints" / "last.ckpt"
+    for rc, out in results:
+        assert rc not in (0, None), out[-3000:]
+        assert "--ckpt_path: the processes found different checkpoints" in out, out[-3000:]
+        assert f"process 0: {found}" in out and "process 1: none" in out, out[-3000:]
+        assert "Loading" not in out and "Restoring states" not in out  # no load started
+
+
+def test_a_checkpoint_missing_on_one_process_stops_at_setup(demo_dir, tmp_path, monkeypatch):
+    """A --ckpt_path that is not there (a path, or ``validate --ckpt_path last`` finding
+    none with several processes, deferred to here so the others are told): setup raises
+    it before any engine starts, after telling the other processes."""
+    from types import SimpleNamespace
+
+    from trace_lightning.data import TraceDataModule
+
+    def module():
+        dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo_dir)),
+                             policy_path=str(demo_dir / "model"))
+        dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
+        return dm
+
+    told = []  # the other process (simulated) did not fail
+    monkeypatch.setattr(TraceDataModule, "_any_failed",
+                        property(lambda self: lambda failed: told.append(failed) or failed))
+    dm = module()
+    dm.expect_checkpoint(str(tmp_path / "gone.ckpt"))
+    with pytest.raises(FileNotFoundError, match=r"--ckpt_path: checkpoint '.*gone.ckpt' does "
+                                                r"not exist on this process's file system"):
+        dm.setup("fit")
+    assert dm.engine is None and told == [False, True]
+    dm, told[:] = module(), []
+    dm.expect_checkpoint(None, FileNotFoundError("--ckpt_path last: no last checkpoint"))
+    with pytest.raises(FileNotFoundError, match="no last checkpoint"):
+        dm.setup("validate")
+    assert dm.engine is None and told == [False, True]
+
+
+def test_validate_with_a_missing_checkpoint_path_fails_before_the_engine(demo_dir, tmp_path,
+                                                                         monkeypatch):
+    from trace_lightning.data_config import EngineConfig
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine started before the checkpoint was checked")
+
+    monkeypatch.setattr(EngineConfig, "build", no_engine)
+    with pytest.raises(FileNotFoundError, match=r"--ckpt_path: checkpoint '.*nope.ckpt' does "
+                                                r"not exist"):
+        main(["validate", *demo_args(demo_dir, tmp_path, 1),
+              f"--ckpt_path={tmp_path / 'nope.ckpt'}"])

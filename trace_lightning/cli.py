@@ -7,6 +7,8 @@
 ``ModelCheckpoint.dirpath``) saved before, in any of its versions: each run logs to a new
 ``version_<N>``, where Lightning's own lookup would find nothing and quietly use the initial
 weights. ``validate`` without one is an error; ``fit`` without one starts from scratch.
+With several processes, each resolves it in its own file system and the datamodule's setup
+checks that all found the same checkpoint (``TraceDataModule.expect_checkpoint``).
 
 ``main(args)`` takes the argument list so tests can run the CLI in-process; ``cli(args)``
 does the same and returns the ``LightningCLI`` object.
@@ -45,29 +47,34 @@ class TraceCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, RolloutCallback):
                 callback.check(self.trainer, self.datamodule)
-        self._resolve_last_checkpoint(required=False)
+        self._resolve_checkpoint(required=False)
 
     def before_validate(self) -> None:
-        self._resolve_last_checkpoint(required=True)
+        self._resolve_checkpoint(required=True)
 
-    def _resolve_last_checkpoint(self, required: bool) -> None:
-        """Replace ``--ckpt_path last`` by the path of the newest last checkpoint."""
+    def _resolve_checkpoint(self, required: bool) -> None:
+        """Replace ``--ckpt_path last`` by the path of the newest last checkpoint, and tell
+        the datamodule which checkpoint this process loads: its setup checks that every
+        process found the same one (``TraceDataModule.expect_checkpoint``)."""
         config = self.config_init[self.subcommand]
-        if config.get("ckpt_path") != "last":
-            return
-        found, searched = last_checkpoint(self.trainer)
-        if found is None and required:
-            raise FileNotFoundError(
-                f"--ckpt_path last: no last checkpoint (last*.ckpt) in {', '.join(searched)}; "
-                f"train first (ModelCheckpoint(save_last=...), as in configs/demo.yaml, "
-                f"writes one there), pass a checkpoint's path, or leave --ckpt_path out to "
-                f"use --model.policy_path's weights")
-        if found is None:
-            log.warning("--ckpt_path last: no last checkpoint in %s yet; training starts from "
-                        "--model.policy_path", ", ".join(searched))
-        else:
-            log.info("--ckpt_path last: %s", found)
-        config["ckpt_path"] = None if found is None else str(found)
+        path, error = config.get("ckpt_path"), None
+        if path == "last":
+            found, searched = last_checkpoint(self.trainer)
+            if found is None and required:
+                error = FileNotFoundError(
+                    f"--ckpt_path last: no last checkpoint (last*.ckpt) in "
+                    f"{', '.join(searched)}; train first (ModelCheckpoint(save_last=...), as in "
+                    f"configs/demo.yaml, writes one there), pass a checkpoint's path, or leave "
+                    f"--ckpt_path out to use --model.policy_path's weights")
+                if self.trainer.world_size == 1:
+                    raise error  # at once; with several processes, in setup on every one
+            elif found is None:
+                log.warning("--ckpt_path last: no last checkpoint in %s yet; training starts "
+                            "from --model.policy_path", ", ".join(searched))
+            else:
+                log.info("--ckpt_path last: %s", found)
+            path = config["ckpt_path"] = None if found is None else str(found)
+        self.datamodule.expect_checkpoint(path, error)
 
 
 def last_checkpoint(trainer: Trainer) -> tuple[Path | None, list[str]]:

@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader
 
 from trace_lightning.allocators import Allocator
 from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
-from trace_lightning.collectives import any_rank, fail_together, from_rank0, raise_together
+from trace_lightning.collectives import (all_gather_list, any_rank, fail_together, from_rank0,
+                                         raise_together)
 from trace_lightning.data_config import DemoConfig, EngineConfig, EnvConfig, EvalSet
 from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines.base import SamplingConfig
@@ -41,6 +42,9 @@ from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Retriever
 from trace_lightning.rollout import AgentLoop, sample_trees
 from trace_lightning.tree import RolloutTree, write_jsonl
 from trace_lightning.validation import resampled_loader, val_row
+
+# --ckpt_path values Lightning resolves itself (not files)
+LIGHTNING_CKPT_KEYS = ("best", "last", "hpc", "registry")
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +128,7 @@ class TraceDataModule(L.LightningDataModule):
         self.val_examples: dict[str, list[QAExample]] = {}
         self._retrievers: dict[str, Retriever] = {}
         self._prepare_error: Exception | None = None  # prepare_data's, raised in setup
+        self._checkpoint: tuple[str | None, Exception | None] | None = None  # expect_checkpoint
         self._rng = np.random.default_rng(seed)
         self.last_step: RolloutStep | None = None  # read by the monitoring callbacks
         self.last_val_trees: dict[str, list[RolloutTree]] = {}
@@ -211,12 +216,21 @@ class TraceDataModule(L.LightningDataModule):
         else:
             local_model_dir(self.policy_path)  # a hub id downloads here, once per node
 
+    def expect_checkpoint(self, path: str | None, error: Exception | None = None) -> None:
+        """The checkpoint this process is to load (``--ckpt_path`` as the CLI resolved it,
+        None: none) or why it found none (``error``). ``setup`` checks it on every process:
+        one that finds no file, or another one (``--ckpt_path last`` in log folders each
+        node keeps for itself), would start from other weights than the rest, or fail
+        alone while they wait for it in the load."""
+        self._checkpoint = (None if path is None else str(path), error)
+
     def setup(self, stage: str) -> None:
         raise_together(self._prepare_error, self._any_failed,
                        "preparing the data (prepare_data)")
-        with fail_together("setting up the data (files, retriever, corpora)",
+        with fail_together("setting up the data (files, retriever, corpora, checkpoint)",
                            self._any_failed):
             self._setup(stage)
+        self._agree_on_checkpoint()
         if self.engine is None:
             from transformers import AutoTokenizer
 
@@ -238,6 +252,7 @@ class TraceDataModule(L.LightningDataModule):
         # the tokenizer and the engine read a directory: a hub id's cached snapshot
         self.policy_dir = local_model_dir(self.policy_path)
         self._check_files(stage == "fit")
+        self._check_checkpoint()
         if self.retriever_url:  # fail before any work starts; fits the client's batches
             self._retriever(None).check(self.env_cfg.topk)
         if stage == "fit" and not self.train_examples:
@@ -300,6 +315,32 @@ class TraceDataModule(L.LightningDataModule):
                 line = "passage" if what == "corpus" else "question"
                 raise FileNotFoundError(f"{flag}: {what} {path!r} does not exist; give the "
                                         f"path of a {what} JSONL (one {line} per line)")
+
+    def _check_checkpoint(self) -> None:
+        """The checkpoint of ``expect_checkpoint`` is on this process's file system."""
+        path, error = self._checkpoint or (None, None)
+        if error is not None:
+            raise error
+        local = (path is not None and "://" not in path
+                 and path.split(":")[0] not in LIGHTNING_CKPT_KEYS)  # not "registry:<name>"
+        if local and not Path(path).exists():
+            raise FileNotFoundError(f"--ckpt_path: checkpoint {path!r} does not exist on this "
+                                    f"process's file system; give the path of a .ckpt file "
+                                    f"(or a sharded checkpoint's folder) every process sees")
+
+    def _agree_on_checkpoint(self) -> None:
+        """Every process loads the same checkpoint (``expect_checkpoint``), or none does."""
+        if self._checkpoint is None or self._rank[1] == 1:
+            return
+        paths = all_gather_list([self._checkpoint[0]], self.trainer)
+        if len(set(paths)) > 1:
+            each = "; ".join(f"process {r}: {p or 'none (it would start from --model.policy_path)'}"
+                             for r, p in enumerate(paths))
+            raise ValueError(
+                f"--ckpt_path: the processes found different checkpoints ({each}), so they "
+                f"would train or score different weights; keep the run's logs "
+                f"(--trainer.default_root_dir and the logger's save_dir) on a file system "
+                f"every node sees, or pass one checkpoint's path")
 
     def _retriever(self, corpus: str | None) -> Retriever:
         """BM25 over ``corpus``; None: the retrieval server, or else the training corpus.
