@@ -111,6 +111,61 @@ def test_gzip_and_byte_order_mark(tmp_path):
     assert [e.id for e in load_qa(bom)] == ["1"]
 
 
+@pytest.mark.parametrize("encoding, bom", [("utf-16-le", b"\xff\xfe"),
+                                           ("utf-16-be", b"\xfe\xff")])
+def test_a_utf16_file_is_named_utf16_not_latin1(tmp_path, encoding, bom):
+    """Windows tools save "Unicode" text as UTF-16 with a byte-order mark; converting it
+    from Latin-1, as the not-UTF-8 advice says, would garble it."""
+    path = tmp_path / "dev.jsonl"
+    path.write_bytes(bom + '{"id": "1", "question": "Q?", "answers": ["a"]}\n'.encode(encoding))
+    with pytest.raises(ValueError, match=r"dev\.jsonl is UTF-16 .*`iconv -f utf-16 -t utf-8 ") \
+            as err:
+        load_qa(path)
+    assert "latin1" not in str(err.value)
+
+
+@pytest.mark.parametrize("number, shown", [("2.50", "2.5"), ("1e3", "1000.0"), ("2.0", "2.0")])
+def test_an_answer_that_is_a_float_is_refused(tmp_path, number, shown):
+    """JSON's 2.50 reads as 2.5: the gold answer would silently change (integers are
+    converted, as in test_flashrag_form)."""
+    path = tmp_path / "dev.jsonl"
+    write_jsonl(path, ['{"id": "1", "question": "Q?", "answers": ["two", %s]}' % number])
+    with pytest.raises(ValueError, match=rf"dev\.jsonl:1 \(id '1'\): \"answers\" must be a list "
+                                         rf"of strings, and it holds the number {shown},.* "
+                                         rf"write it as a string, as it should be matched"):
+        load_qa(path)
+
+
+def test_questions_no_answer_can_score_on_are_kept_with_one_warning(tmp_path, caplog):
+    """"---", ")" and "The" normalise to "" (no punctuation, no articles): no answer can
+    match them. "*" beside a real alias is fine."""
+    path = tmp_path / "dev.jsonl"
+    write_jsonl(path, [{"id": f"q{i}", "question": "Q?", "answers": answers}
+                       for i, answers in enumerate([["---"], ["Paris"], [")", " The "], ["*", "x"],
+                                                    ["!"], ["?"], ["ok"]])])
+    with caplog.at_level("WARNING", logger="trace_lightning.datasets"):
+        examples = load_qa(path)
+    assert [e.id for e in examples] == [f"q{i}" for i in range(7)]  # all kept
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"{path}: 4 question(s) have no answer that survives answer normalisation (lower case, "
+        f"no punctuation, no articles), so no answer can ever score on them (reward 0): ids "
+        f"'q0', 'q2', 'q4' and 1 more; they are kept; to score them, give each an answer with "
+        f"a letter or digit")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trace_lightning.datasets"):
+        load_qa(path, limit=2)  # only the questions read count
+    assert "1 question(s)" in caplog.text and "ids 'q0';" in caplog.text
+
+
+def test_the_real_nq_file_has_two_questions_no_answer_can_score_on(shared_data, caplog):
+    with caplog.at_level("WARNING", logger="trace_lightning.datasets"):
+        assert len(load_qa(shared_data / "nq" / "test_1k.jsonl")) == 1000
+    (record,) = caplog.records
+    assert ": 2 question(s) have no answer" in record.getMessage()
+    assert "ids 'nq_test_1420', 'nq_test_664';" in record.getMessage()
+
+
 def test_split_is_stable_disjoint_and_near_the_fraction(shared_data):
     examples = load_qa(shared_data / "hotpotqa" / "dev_distractor.jsonl")
     train, val = split_train_val(examples, val_fraction=0.1, seed=0)

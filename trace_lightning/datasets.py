@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trace_lightning.jsonl import jsonl_lines
+from trace_lightning.reward import normalize_answer
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = ('each line must be a JSON object {"id", "question", "answers": [str, ...]} '
            '(or FlashRAG\'s "golden_answers" instead of "answers")')
@@ -71,6 +75,13 @@ def _parse(record: object, where: str, dataset: str) -> QAExample:
             and not (isinstance(a, float) and not math.isfinite(a)) for a in raw):
         raise ValueError(f"{where} (id {qid!r}): \"{key}\" must be a list of strings, got "
                          f"{json.dumps(raw)[:100]}; {_SCHEMA}")
+    if floats := [a for a in raw if isinstance(a, float)]:
+        # JSON's 2.50 and 1e3 read as 2.5 and 1000.0: the gold answer would change
+        raise ValueError(f"{where} (id {qid!r}): \"{key}\" must be a list of strings, and it "
+                         f"holds the number {floats[0]!r}, which would be matched as "
+                         f"{str(floats[0])!r}, not as the file writes it (JSON reads 2.50 as "
+                         f"2.5, 1e3 as 1000.0); write it as a string, as it should be matched "
+                         f"(\"2.50\", not 2.50)")
     answers = [str(a) for a in raw if str(a).strip()]
     if not answers:
         raise ValueError(f"{where} (id {qid!r}) has no non-empty answer in \"{key}\" "
@@ -84,6 +95,12 @@ def _parse(record: object, where: str, dataset: str) -> QAExample:
 def load_qa(path: str | os.PathLike, dataset: str | None = None,
             limit: int | None = None) -> list[QAExample]:
     """Read a QA JSONL (our schema or FlashRAG's), in file order; blank lines are skipped.
+
+    Integer answers become strings (``8`` -> ``"8"``); any other number is a ValueError
+    (JSON's ``2.50`` reads as ``2.5``: the gold answer would change). Questions none of whose
+    answers survives the reward's normalisation (``normalize_answer``: e.g. ``"---"``,
+    ``")"``, ``"The"``) can never score; they are kept, as the real NQ test file has two, and
+    one warning per file counts them and names the first few ids.
 
     Args:
         path: the JSONL file.
@@ -102,6 +119,7 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
     fallback = dataset or path.resolve().parent.name
     examples: list[QAExample] = []
     first_line: dict[str, int] = {}
+    unscorable: list[str] = []  # ids of questions no answer can score on
     if limit == 0:
         return examples
     for line_no, line in jsonl_lines(path):
@@ -117,8 +135,17 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
                              f"train/val split and the logs key on them)")
         first_line[example.id] = line_no
         examples.append(example)
+        if not any(normalize_answer(a) for a in example.answers):
+            unscorable.append(example.id)
         if limit is not None and len(examples) >= limit:
             break  # lines after the last one wanted are not read
+    if unscorable:
+        more = f" and {len(unscorable) - 3} more" if len(unscorable) > 3 else ""
+        log.warning("%s: %d question(s) have no answer that survives answer normalisation "
+                    "(lower case, no punctuation, no articles), so no answer can ever score on "
+                    "them (reward 0): ids %s%s; they are kept; to score them, give each an "
+                    "answer with a letter or digit", path, len(unscorable),
+                    ", ".join(repr(i) for i in unscorable[:3]), more)
     return examples
 
 

@@ -12,12 +12,18 @@ def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
     Decoded line by line (not by the file object's buffer), so a line that is not UTF-8 (a
     Latin-1 export) is a ValueError naming the file and the line, not a ``UnicodeDecodeError``
     at a byte offset into some buffer. A UTF-8 byte-order mark is skipped; a gzip file is a
-    ValueError that says to decompress it.
+    ValueError that says to decompress it, a UTF-16 one (byte-order mark FF FE or FE FF) one
+    that says to convert it from UTF-16 (not Latin-1, which would garble it).
     """
     with Path(path).open("rb") as f:
-        if f.read(2) == b"\x1f\x8b":
+        head = f.read(2)
+        if head == b"\x1f\x8b":
             raise ValueError(f"{path} is gzip-compressed, not JSONL text; decompress it first "
                              f"(`gunzip -k {path}`) and pass the .jsonl")
+        if head in (b"\xff\xfe", b"\xfe\xff"):
+            raise ValueError(f"{path} is UTF-16 (it starts with a UTF-16 byte-order mark), not "
+                             f"UTF-8; convert it (`iconv -f utf-16 -t utf-8 {path} > "
+                             f"{Path(path).stem}.utf8.jsonl`) and pass the converted file")
         f.seek(0)
         for line_no, raw in enumerate(f, start=1):
             try:
