@@ -56,3 +56,24 @@ def test_unresolvable_policy_paths_name_the_flag_and_the_fix(hub_cache, tmp_path
         local_model_dir(str(tmp_path / "runs" / "demo" / "model"))
     assert "save_pretrained" in str(err.value)
     assert local_model_dir(str(hub_cache)) == str(hub_cache)  # a directory is itself
+
+
+def test_a_home_relative_policy_path_is_expanded(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # model_dir is tmp_path / "m"
+    assert local_model_dir("~/m") == str(model_dir)
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda d: d.mkdir(), "holds no config.json"),
+    (lambda d: d.write_text("{}"), "is a file, not a directory"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text("{}")),
+     r"holds no tokenizer \(tokenizer.json or tokenizer_config.json\)"),
+])
+def test_a_directory_that_is_no_model_is_named_before_any_work(tmp_path, make, why):
+    """Otherwise transformers fails with its own error after the corpus is indexed."""
+    bad = tmp_path / "model"
+    make(bad)
+    with pytest.raises(FileNotFoundError, match=rf"^--model.policy_path \('{bad}'\) {why}; it "
+                                                r"must be a Hugging Face model directory with "
+                                                r"config.json and tokenizer files"):
+        local_model_dir(str(bad))

@@ -15,6 +15,8 @@ from pathlib import Path
 # what a policy needs: config, weights, tokenizer, generation and chat template files
 # (no .bin duplicates, no original/ consolidated checkpoints)
 POLICY_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+# a tokenizer's save_pretrained writes tokenizer_config.json; a fast one also tokenizer.json
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def is_local_path(policy_path: str) -> bool:
@@ -32,15 +34,20 @@ def is_local_path(policy_path: str) -> bool:
 
 
 def local_model_dir(policy_path: str, flag: str = "--model.policy_path") -> str:
-    """A local directory holding ``policy_path``: itself if it exists, else the snapshot of
-    the hub id (downloaded into the Hugging Face cache the first time).
+    """A local directory holding ``policy_path``: itself if it exists (``~`` expanded), else
+    the snapshot of the hub id (downloaded into the Hugging Face cache the first time).
+
+    The directory must hold ``config.json`` and a tokenizer (``tokenizer.json`` or
+    ``tokenizer_config.json``, one of which any tokenizer's ``save_pretrained`` writes), so a
+    wrong directory is named here, before the corpus is indexed, not by transformers later.
 
     Raises:
-        FileNotFoundError: a local path that does not exist, or a hub id neither in the
-            cache nor downloadable from here.
+        FileNotFoundError: a local path that does not exist, or is not such a directory; a
+            hub id neither in the cache nor downloadable from here.
     """
-    if Path(policy_path).exists():
-        return policy_path
+    path = os.path.expanduser(policy_path)
+    if Path(path).exists():
+        return _model_dir(path, policy_path, flag)
     if is_local_path(policy_path):
         raise FileNotFoundError(
             f"{flag} ({policy_path!r}) does not exist (from {Path.cwd()}); give a directory "
@@ -48,10 +55,29 @@ def local_model_dir(policy_path: str, flag: str = "--model.policy_path") -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(policy_path, allow_patterns=POLICY_FILES)
+        snapshot = snapshot_download(policy_path, allow_patterns=POLICY_FILES)
     except Exception as e:  # offline without a cached snapshot, unknown repo, gated repo ...
         raise FileNotFoundError(
             f"{flag} ({policy_path!r}) is no local directory, and as a hub id it could not "
             f"be fetched or found in the cache ({type(e).__name__}: {e}); on a machine that "
             f"can download, `huggingface-cli download {policy_path} --local-dir DIR` and "
             f"pass DIR, or set HF_HUB_CACHE to a cache that holds it") from e
+    return _model_dir(snapshot, policy_path, flag)
+
+
+def _model_dir(path: str, policy_path: str, flag: str) -> str:
+    """``path`` if it is a directory with ``config.json`` and tokenizer files, else
+    FileNotFoundError naming ``flag``, the value given and what is missing."""
+    if not Path(path).is_dir():
+        why = "is a file, not a directory"
+    elif not (Path(path) / "config.json").is_file():
+        why = "holds no config.json"
+    elif not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        why = f"holds no tokenizer ({' or '.join(TOKENIZER_FILES)})"
+    else:
+        return path
+    where = "" if path == policy_path else f" ({path})"
+    raise FileNotFoundError(
+        f"{flag} ({policy_path!r}){where} {why}; it must be a Hugging Face model directory "
+        f"with config.json and tokenizer files (model and tokenizer saved with "
+        f"save_pretrained), or a hub id (owner/name)")

@@ -15,6 +15,7 @@ divisor is their summed tokens over the rank count, and DDP / FSDP average the g
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import lightning as L
@@ -148,10 +149,10 @@ class TraceModule(L.LightningModule):
         if self.policy is not None:
             return
         dtype = getattr(torch, self.hparams.dtype)
+        path = os.path.expanduser(self.hparams.policy_path)  # a directory, or a hub id
         try:
-            config = without_dropout(AutoConfig.from_pretrained(self.hparams.policy_path))
-            self.policy = AutoModelForCausalLM.from_pretrained(
-                self.hparams.policy_path, config=config, dtype=dtype)
+            config = without_dropout(AutoConfig.from_pretrained(path))
+            self.policy = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
         except OSError as e:
             raise FileNotFoundError(
                 f"--model.policy_path ({self.hparams.policy_path!r}) could not be loaded ({e}); "
@@ -164,8 +165,7 @@ class TraceModule(L.LightningModule):
         if self.hparams.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if self.hparams.kl_coef > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(self.hparams.policy_path,
-                                                                  dtype=dtype).eval()
+            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
             self.reference.requires_grad_(False)
         if self.hparams.compile_layers:
             compile_decoder_layers(self.policy)
