@@ -17,7 +17,7 @@ from trace_lightning.environment import (
     through_first_stop,
 )
 from trace_lightning.models import AGENT_TAGS, read_corpus_texts, train_tokenizer
-from trace_lightning.retrieval import BM25Retriever
+from trace_lightning.retrieval import BM25Retriever, Passage
 
 EOS = "<|im_end|>"
 
@@ -270,6 +270,20 @@ def test_observation_holds_topk_passages(tokenizer, retriever, topk):
     assert f"Doc {topk + 1}(" not in text
 
 
+class TooManyPassages:
+    """A retriever that ignores topk and answers ten passages per query."""
+
+    def search(self, queries, topk):
+        return [[Passage(str(i), f"T{i}", f"text {i}") for i in range(10)] for _ in queries]
+
+
+def test_observation_holds_topk_passages_whatever_the_retriever_answers(tokenizer):
+    env = SearchEnvironment(tokenizer, TooManyPassages(), topk=3, max_obs_tokens=10_000)
+    ((_, text),) = env.observe(["who"])
+    assert text == ("\n\n<information>Doc 1(Title: T0) text 0\nDoc 2(Title: T1) text 1\n"
+                    "Doc 3(Title: T2) text 2\n</information>\n\n")
+
+
 @pytest.mark.parametrize("max_obs_tokens", [0, 1, 12, 40])
 def test_observation_is_cut_to_max_obs_tokens(tokenizer, retriever, max_obs_tokens):
     env = SearchEnvironment(tokenizer, retriever, topk=3, max_obs_tokens=max_obs_tokens)
@@ -321,3 +335,20 @@ def test_stop_string_made_a_special_token_is_refused(corpus, retriever):
     tokenizer.add_special_tokens({"additional_special_tokens": ["</answer>"]})
     with pytest.raises(ValueError, match=r"makes '</answer>' a special token.*special_tokens=False"):
         SearchEnvironment(tokenizer, retriever)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"topk": 0}, r"--data.env.topk \(0\) must be >= 1"),
+    ({"max_seq_tokens": 0}, r"--data.env.max_seq_tokens \(0\) must be >= 1"),
+    ({"instruction": "no placeholder"}, r"--data.env.instruction must contain '\{question\}'"),
+    ({"reward": "f1_threshold", "f1_threshold": float("nan")},
+     r"--data.env.f1_threshold \(nan\) must be in \(0, 1\]"),
+])
+def test_env_config_refuses_what_the_environment_would_when_configured(setting, message):
+    """The run's --data.env settings are checked as the CLI builds them, not when the first
+    environment is made (after the tokenizer, the corpus index and the engine)."""
+    from trace_lightning.data_config import EnvConfig
+
+    with pytest.raises(ValueError, match=message):
+        EnvConfig(**setting)
+    EnvConfig(instruction=None)  # None: Search-R1's instruction, which has {question}

@@ -419,6 +419,28 @@ def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_d
     with pytest.raises(ValueError, match=r"3 training questions \(--data.train, "
                                          r"--data.train_limit 3\), fewer than the 4 prompts"):
         dm.setup("fit")
+    empty = EvalSet("hotpotqa", str(hotpot / "dev_distractor.jsonl"), limit=0)
+    dm = TraceDataModule(train=str(hotpot / "dev_distractor.jsonl"),
+                         corpus=str(hotpot / "corpus.jsonl"), policy_path=str(demo_dir / "model"),
+                         allocator=uniform, val=[empty])
+    with pytest.raises(ValueError, match=r"'hotpotqa' \(.*dev_distractor.jsonl\) holds no "
+                                         r"questions \(limit 0\)"):
+        dm.setup("validate")  # one process: nothing to validate, not "fewer than 1 processes"
+    # a share of the validation batches: rollouts wasted, and a process with none would stop
+    # alone; whole batches (an int) and 1.0 are fine
+    for limit, fails in ((0.25, True), (2, False), (1.0, False)):
+        dm = TraceDataModule(train=str(hotpot / "dev_distractor.jsonl"),
+                             corpus=str(hotpot / "corpus.jsonl"),
+                             policy_path=str(demo_dir / "model"), allocator=uniform,
+                             val=[EvalSet("hotpotqa", str(hotpot / "dev_distractor.jsonl"),
+                                          limit=4)])
+        dm.trainer = SimpleNamespace(global_rank=0, world_size=1, limit_val_batches=limit)
+        if fails:
+            with pytest.raises(ValueError, match=r"--trainer.limit_val_batches \(0.25\): "
+                                                 r"validation rolls out all"):
+                dm._setup("validate")
+        else:
+            dm._setup("validate")
     val = EvalSet("hotpotqa", str(hotpot / "dev_distractor.jsonl"), limit=1)
     dm = TraceDataModule(train=str(hotpot / "dev_distractor.jsonl"),
                          corpus=str(hotpot / "corpus.jsonl"), policy_path=str(demo_dir / "model"),

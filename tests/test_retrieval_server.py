@@ -99,6 +99,8 @@ def test_response_shapes_with_and_without_scores(wiki_retriever, server_url, que
     (json.dumps({"queries": ["q"], "topk": 0}).encode(), 400, "[1, 20]"),
     (json.dumps({"queries": ["q"], "topk": "3"}).encode(), 400, "topk"),
     (json.dumps({"queries": ["q"], "return_scores": "yes"}).encode(), 400, "return_scores"),
+    # the parser's recursion limit: a RecursionError, which once dropped the connection
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nests JSON arrays or objects too deeply"),
 ])
 def test_bad_requests_are_refused_and_the_server_keeps_serving(server_url, questions, body,
                                                                status, message):
@@ -588,6 +590,46 @@ def test_a_dropped_connection_is_retried_past_retries():
     try:
         client = HTTPRetriever(url, retries=0, backoff_s=0.01, reconnect_wait_s=5)
         assert len(client.search(["who"], 1)) == 1 and DropsFirstHandler.calls == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_check_refuses_a_server_that_takes_shorter_queries_than_the_run(server_url):
+    """The server takes queries of 200 characters (LIMITS) and says so on /health; a run
+    cutting queries at 2000 would pass a one-query check and meet HTTP 413 mid-run."""
+    client = HTTPRetriever(server_url)
+    with pytest.raises(RetrieverError) as info:
+        client.check(2, max_query_chars=2000)
+    message = str(info.value)
+    assert "at most 200 characters (its --max-query-chars)" in message
+    assert "up to 2000 (--data.env.max_query_chars)" in message
+    assert ("lower --data.env.max_query_chars to 200, or raise the server's --max-query-chars "
+            "to 2000") in message
+    client.check(2, max_query_chars=200)  # the server's own limit fits
+    client.check(2)  # None: not checked
+
+
+def test_check_says_topk_must_be_at_least_1_not_to_lower_it(server_url):
+    client = HTTPRetriever(server_url)
+    with pytest.raises(ValueError, match=r"^--data.env.topk \(0\) must be >= 1$"):
+        client.check(0)
+    with pytest.raises(ValueError, match=r"^--data.env.max_query_chars \(0\) must be >= 1$"):
+        client.check(3, max_query_chars=0)
+
+
+def test_a_server_that_ignores_topk_is_refused():
+    """A server answering 5 passages for topk 3 would silently change the observations."""
+    server, url = serve_answer(200, {"result": [[{"document": LEE, "score": 1.0}] * 5]})
+    try:
+        client = HTTPRetriever(url)
+        with pytest.raises(RetrieverError, match=rf"^retriever {url}/retrieve answered 5 "
+                                                 rf"passages in result\[0\] for topk 3: the "
+                                                 rf"server ignores topk"):
+            client.search(["who"], 3)
+        with pytest.raises(RetrieverError, match="the server ignores topk"):
+            client.check(3)
+        assert len(client.search(["who"], 5)[0]) == 5  # as many as asked is fine
     finally:
         server.shutdown()
         server.server_close()

@@ -253,8 +253,10 @@ class TraceDataModule(L.LightningDataModule):
         self.policy_dir = local_model_dir(self.policy_path)
         self._check_files(stage == "fit")
         self._check_checkpoint()
+        self._check_val_limit()
         if self.retriever_url:  # fail before any work starts; fits the client's batches
-            self._retriever(None).check(self.env_cfg.topk)
+            self._retriever(None).check(self.env_cfg.topk,
+                                        max_query_chars=self.env_cfg.max_query_chars)
         if stage == "fit" and not self.train_examples:
             self.train_examples = load_qa(self.train_path, limit=self.train_limit)
             needed = self.allocator.prompts_needed
@@ -272,6 +274,11 @@ class TraceDataModule(L.LightningDataModule):
         world = self._rank[1]
         for v in self.val_sets:
             examples = self.val_examples[v.name]
+            if not examples:
+                raise ValueError(
+                    f"validation set {v.name!r} ({v.path}) holds no questions (limit "
+                    f"{v.limit}); give it a QA file with records and a limit of at least "
+                    f"{world}, or leave it out of --data.val")
             if len(examples) < world:
                 raise ValueError(
                     f"validation set {v.name!r} ({v.path}) holds {len(examples)} questions, "
@@ -327,6 +334,20 @@ class TraceDataModule(L.LightningDataModule):
             raise FileNotFoundError(f"--ckpt_path: checkpoint {path!r} does not exist on this "
                                     f"process's file system; give the path of a .ckpt file "
                                     f"(or a sharded checkpoint's folder) every process sees")
+
+    def _check_val_limit(self) -> None:
+        """No share of the validation batches (``--trainer.limit_val_batches`` 0.1): a pass
+        rolls out every question of the process's share before the first batch, so a share
+        would score only part of those rollouts, and on a process whose share rounds to no
+        batch Lightning stops while the others wait for it in the rollouts' collectives."""
+        limit = getattr(self.trainer, "limit_val_batches", None)
+        if isinstance(limit, float) and 0.0 < limit < 1.0 and self.val_sets:
+            raise ValueError(
+                f"--trainer.limit_val_batches ({limit}): validation rolls out all of each "
+                f"set's questions before scoring a batch, so a share of the batches would "
+                f"waste the rest (and can leave one process with none, which stops alone); "
+                f"limit the questions instead (the `limit` of each --data.val set), or leave "
+                f"it at 1.0")
 
     def _agree_on_checkpoint(self) -> None:
         """Every process loads the same checkpoint (``expect_checkpoint``), or none does."""

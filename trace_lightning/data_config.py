@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from trace_lightning.engines import build_engine
+from trace_lightning.environment import SEARCH_R1_INSTRUCTION, check_settings
 
 
 @dataclass
@@ -99,6 +100,14 @@ class EnvConfig:
     use_chat_template: bool = True
     reward: Literal["em", "f1", "f1_threshold"] = "em"
     f1_threshold: float = 0.3
+
+    def __post_init__(self) -> None:
+        """What the environment would refuse, refused now, before any engine starts."""
+        check_settings(topk=self.topk, max_turns=self.max_turns,
+                       max_obs_tokens=self.max_obs_tokens, max_seq_tokens=self.max_seq_tokens,
+                       max_query_chars=self.max_query_chars,
+                       instruction=self.instruction or SEARCH_R1_INSTRUCTION,
+                       reward=self.reward, f1_threshold=self.f1_threshold)
 
 
 @dataclass

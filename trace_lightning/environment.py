@@ -108,6 +108,28 @@ def format_passages(passages: Sequence[Passage]) -> str:
     return "".join(f"Doc {i + 1}(Title: {p.title}) {p.text}\n" for i, p in enumerate(passages))
 
 
+def check_settings(topk: int, max_turns: int, max_obs_tokens: int, max_seq_tokens: int,
+                   max_query_chars: int, instruction: str, reward: str,
+                   f1_threshold: float) -> None:
+    """ValueError naming the ``--data.env`` flag of a setting ``SearchEnvironment`` cannot
+    use; ``EnvConfig`` runs it when the run is configured, before any engine starts."""
+    if "{question}" not in instruction:
+        raise ValueError(f"--data.env.instruction must contain '{{question}}'; got "
+                         f"{instruction[:80]!r}")
+    for flag, value, least in (("max_query_chars", max_query_chars, 1), ("topk", topk, 1),
+                               ("max_turns", max_turns, 1),
+                               ("max_obs_tokens", max_obs_tokens, 0),  # 0: tags only
+                               ("max_seq_tokens", max_seq_tokens, 1)):
+        if value < least:
+            raise ValueError(f"--data.env.{flag} ({value}) must be >= {least}")
+    if reward not in ("em", "f1", "f1_threshold"):
+        raise ValueError(f"--data.env.reward ({reward!r}) must be one of 'em', 'f1', "
+                         f"'f1_threshold'")
+    if not 0.0 < f1_threshold <= 1.0:
+        raise ValueError(f"--data.env.f1_threshold ({f1_threshold}) must be in (0, 1]: at "
+                         f"0 every answer, even a missing one (F1 0), would earn reward 1")
+
+
 class SearchEnvironment:
     """Prompt, turn parsing, observations and reward of the multi-hop QA search agent.
 
@@ -134,21 +156,9 @@ class SearchEnvironment:
                  max_query_chars: int = 2000, instruction: str = SEARCH_R1_INSTRUCTION,
                  use_chat_template: bool = True,
                  reward: Literal["em", "f1", "f1_threshold"] = "em", f1_threshold: float = 0.3):
-        if "{question}" not in instruction:
-            raise ValueError(f"--data.env.instruction must contain '{{question}}'; got "
-                             f"{instruction[:80]!r}")
-        for flag, value, least in (("max_query_chars", max_query_chars, 1), ("topk", topk, 1),
-                                   ("max_turns", max_turns, 1),
-                                   ("max_obs_tokens", max_obs_tokens, 0),  # 0: tags only
-                                   ("max_seq_tokens", max_seq_tokens, 1)):
-            if value < least:
-                raise ValueError(f"--data.env.{flag} ({value}) must be >= {least}")
-        if reward not in ("em", "f1", "f1_threshold"):
-            raise ValueError(f"--data.env.reward ({reward!r}) must be one of 'em', 'f1', "
-                             f"'f1_threshold'")
-        if not 0.0 < f1_threshold <= 1.0:
-            raise ValueError(f"--data.env.f1_threshold ({f1_threshold}) must be in (0, 1]: at "
-                             f"0 every answer, even a missing one (F1 0), would earn reward 1")
+        check_settings(topk=topk, max_turns=max_turns, max_obs_tokens=max_obs_tokens,
+                       max_seq_tokens=max_seq_tokens, max_query_chars=max_query_chars,
+                       instruction=instruction, reward=reward, f1_threshold=f1_threshold)
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.topk, self.max_turns = topk, max_turns
@@ -180,7 +190,8 @@ class SearchEnvironment:
         return self._encode(text), text
 
     def observe(self, queries: list[str]) -> list[tuple[list[int], str]]:
-        """One batched retriever call; token ids and text of each observation."""
+        """One batched retriever call; token ids and text of each observation (of at most
+        ``topk`` passages, even where the retriever answered more)."""
         if not queries:
             return []
         if self.retriever is None:
@@ -190,7 +201,8 @@ class SearchEnvironment:
                                         self.topk)
         out = []
         for passages in results:
-            body = self._encode(format_passages(passages))[: self.max_obs_tokens]
+            # at most topk, whatever the retriever answered: the observation is the run's
+            body = self._encode(format_passages(passages[: self.topk]))[: self.max_obs_tokens]
             ids = self._obs_open + body + self._obs_close
             out.append((ids, self.tokenizer.decode(ids)))
         return out

@@ -17,8 +17,9 @@ waits at most ``timeout_s``, so a server that trickles its answer cannot hold a 
 request takes at most about ``max((retries + 1) * 2 * timeout_s + sum(backoffs),
 reconnect_wait_s + 2 * timeout_s)`` seconds.
 
-``check`` reads the limits a ``trace-lightning-retriever`` announces on ``/health`` and
-shrinks ``batch_size`` to the server's ``max_queries``.
+``check`` reads the limits a ``trace-lightning-retriever`` announces on ``/health``: it
+shrinks ``batch_size`` to the server's ``max_queries`` and refuses a ``max_query_chars`` above
+the server's. A server that answers more passages than ``topk`` is refused (it ignores topk).
 """
 
 from __future__ import annotations
@@ -130,32 +131,47 @@ class HTTPRetriever:
             chunk = list(queries[start:start + self.batch_size])
             data = self._request("/retrieve", {"queries": chunk, "topk": topk,
                                                "return_scores": True}, self.reconnect_wait_s)
-            results.extend(self._parse(data, len(chunk)))
+            results.extend(self._parse(data, len(chunk), topk))
         return results
 
-    def check(self, topk: int = 1) -> None:
+    def check(self, topk: int = 1, *, max_query_chars: int | None = None) -> None:
         """Fail fast: raise RetrieverError unless the server answers ``/health`` and a
         one-query search for ``topk`` passages (the run's ``--data.env.topk``: a server may
-        refuse more, e.g. ``trace-lightning-retriever --topk-max``).
+        refuse more, e.g. ``trace-lightning-retriever --topk-max``), and unless it takes
+        queries of ``max_query_chars`` characters (the run's ``--data.env.max_query_chars``;
+        None: not checked) where ``/health`` says how long a query it takes.
 
         A server without ``/health`` (404, e.g. Search-R1's own) is checked by the search
         alone. A refused connection is not waited for (``reconnect_wait_s``): nothing is lost
-        by failing before the run starts.
+        by failing before the run starts. ValueError for a ``topk`` or ``max_query_chars``
+        below 1, before the server is asked.
         """
+        for flag, value in (("topk", topk), ("max_query_chars", max_query_chars)):
+            if value is not None and value < 1:
+                raise ValueError(f"--data.env.{flag} ({value}) must be >= 1")
         try:
             health = self._request("/health", None, 0.0)
         except RetrieverError as e:
             if e.status != 404:
                 raise
             health = None
-        most = health.get("max_queries") if isinstance(health, dict) else None
+        limits = health if isinstance(health, dict) else {}
+        most = limits.get("max_queries")
         if isinstance(most, int) and 1 <= most < self.batch_size:
             log.info("retriever %s takes at most %d queries per request: sending batches of "
                      "%d instead of %d", self.url, most, most, self.batch_size)
             self.batch_size = most
+        longest = limits.get("max_query_chars")
+        if isinstance(longest, int) and max_query_chars is not None and longest < max_query_chars:
+            raise RetrieverError(f"retriever {self.url} takes queries of at most {longest} "
+                                 f"characters (its --max-query-chars), but the run sends up to "
+                                 f"{max_query_chars} (--data.env.max_query_chars); the first "
+                                 f"longer query would be refused (HTTP 413) mid-run: lower "
+                                 f"--data.env.max_query_chars to {longest}, or raise the "
+                                 f"server's --max-query-chars to {max_query_chars}")
         try:
             self._parse(self._request("/retrieve", {"queries": ["test"], "topk": topk,
-                                                    "return_scores": True}, 0.0), 1)
+                                                    "return_scores": True}, 0.0), 1, topk)
         except RetrieverError as e:
             if e.status not in (400, 413):  # a refusal that may be about topk
                 raise
@@ -245,8 +261,9 @@ class HTTPRetriever:
                                  f"({e}): {body[:200]!r}; is {self.url} a retrieval "
                                  f"server?") from None
 
-    def _parse(self, data: object, n_queries: int) -> list[list[Passage]]:
-        """``{"result": [[{"document": doc, "score": s} | doc, ...], ...]}`` -> passages."""
+    def _parse(self, data: object, n_queries: int, topk: int) -> list[list[Passage]]:
+        """``{"result": [[{"document": doc, "score": s} | doc, ...], ...]}`` -> passages, at
+        most ``topk`` per query."""
         result = data.get("result") if isinstance(data, dict) else None
         if not isinstance(result, list) or len(result) != n_queries:
             raise RetrieverError(f"retriever {self.url}/retrieve answered {str(data)[:200]!r}; "
@@ -257,6 +274,11 @@ class HTTPRetriever:
             if not isinstance(hits, list):
                 raise RetrieverError(f"retriever {self.url}/retrieve: result[{i}] is not a "
                                      f"list ({str(hits)[:200]!r})")
+            if len(hits) > topk:
+                raise RetrieverError(f"retriever {self.url}/retrieve answered {len(hits)} "
+                                     f"passages in result[{i}] for topk {topk}: the server "
+                                     f"ignores topk, and the observations would change; use a "
+                                     f"server that honours it (`trace-lightning-retriever`)")
             passages = []
             for j, hit in enumerate(hits):
                 where = f"retriever {self.url}/retrieve result[{i}][{j}]"

@@ -52,6 +52,9 @@ def parse_retrieve_request(body: bytes, max_queries: int, max_query_chars: int,
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(400, f"body is not JSON ({e}); send "
                                 f"{{\"queries\": [str, ...], \"topk\": int}}") from None
+    except RecursionError:  # "[[[[...": the parser gives up, the server must not
+        raise RequestError(400, "body nests JSON arrays or objects too deeply to parse; send "
+                                "{\"queries\": [str, ...], \"topk\": int}") from None
     if not isinstance(payload, dict):
         raise RequestError(400, f"body is a JSON {type(payload).__name__}; send an object "
                                 f"{{\"queries\": [str, ...], \"topk\": int}}")
