@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -103,14 +105,17 @@ def test_eos_ends_completion_and_is_kept(vllm_engine, tokenizer):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_vllm_logprobs_match_transformers(vllm_engine, reference, prompts, temperature):
-    """vLLM's sampled-token log-probs are the raw model's (temperature 1), whatever the
-    sampling temperature (logprobs_mode="raw_logprobs")."""
-    out = vllm_engine.generate(prompts, SamplingConfig(temperature=temperature, max_tokens=24,
-                                                       seed=1), n=2)
-    for prompt, completions in zip(prompts, out):
+def test_vllm_logprobs_match_transformers(vllm_engine, hf_engine, reference, prompts,
+                                          temperature):
+    """Both engines' sampled-token log-probs are of the distribution sampled from,
+    log_softmax(logits / temperature), what the trainer recomputes at that temperature
+    (vLLM's default, raw_logprobs, would give the temperature-1 ones)."""
+    sampling = SamplingConfig(temperature=temperature, max_tokens=24, seed=1)
+    out = vllm_engine.generate(prompts, sampling, n=2) + hf_engine.generate(prompts, sampling)
+    for prompt, completions in zip(prompts * 2, out):
         for c in completions:
-            want = policy_logprobs(reference, [prompt + c.token_ids])[0][len(prompt):]
+            want = policy_logprobs(reference, [prompt + c.token_ids],
+                                   temperature=temperature)[0][len(prompt):]
             torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(want),
                                        atol=ATOL, rtol=0)
 
@@ -276,14 +281,17 @@ def test_inverse_cdf_keeps_the_tail_of_a_large_vocabulary_in_place():
 
 def test_hf_engine_sampling_applies_top_p_and_temperature():
     """Top-p keeps the most likely tokens while the mass before each is below p, then
-    renormalises; temperature sharpens. Probabilities (0.5, 0.3, 0.2), 8,000 draws."""
+    renormalises; temperature sharpens. Probabilities (0.5, 0.3, 0.2), 8,000 draws. Each
+    token's log-prob is of the distribution it was drawn from (vLLM's processed_logprobs):
+    log(5/8) for token 0 of the nucleus {0, 1} at top_p 0.7, not log 0.5."""
     n = 8000
     logits = torch.tensor([0.5, 0.3, 0.2]).log().expand(n, -1)  # (n, 3)
 
-    def freq(temperature: float, top_p: float) -> torch.Tensor:
+    def freq(temperature: float, top_p: float, want_logp: list[float]) -> torch.Tensor:
         gens = [torch.Generator().manual_seed(i) for i in range(n)]
-        tokens = HFEngine._sample(logits, gens, SamplingConfig(temperature=temperature,
-                                                               top_p=top_p))
+        tokens, logp = HFEngine._sample(logits, gens, SamplingConfig(temperature=temperature,
+                                                                     top_p=top_p))
+        torch.testing.assert_close(logp, torch.tensor(want_logp)[tokens], atol=1e-6, rtol=0)
         return torch.bincount(tokens, minlength=3).double() / n
 
     def close(got, want):
@@ -291,11 +299,19 @@ def test_hf_engine_sampling_applies_top_p_and_temperature():
         sigma = (want * (1 - want) / n).sqrt()
         return bool(((got - want).abs() <= 5 * sigma + 1e-12).all())
 
-    assert freq(1.0, 0.45).tolist() == [1.0, 0.0, 0.0]  # mass before token 1 is 0.5
-    assert close(freq(1.0, 0.7), [5 / 8, 3 / 8, 0.0])  # 0 and 1 kept, 5:3
-    assert close(freq(1.0, 1.0), [0.5, 0.3, 0.2])
+    log = math.log
+    # mass before token 1 is 0.5: token 0 alone, log-prob 0
+    assert freq(1.0, 0.45, [0.0, -math.inf, -math.inf]).tolist() == [1.0, 0.0, 0.0]
+    assert close(freq(1.0, 0.7, [log(5 / 8), log(3 / 8), -math.inf]),
+                 [5 / 8, 3 / 8, 0.0])  # 0 and 1 kept, 5:3
+    assert close(freq(1.0, 1.0, [log(0.5), log(0.3), log(0.2)]), [0.5, 0.3, 0.2])
     # T = 0.5 squares the odds: 0.25 : 0.09 : 0.04 over 0.38
-    assert close(freq(0.5, 1.0), [0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38])
+    at_half = [0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38]
+    assert close(freq(0.5, 1.0, [log(p) for p in at_half]), at_half)
+    # greedy: the raw log-prob of the most likely token
+    tokens, logp = HFEngine._sample(logits[:2], [torch.Generator()] * 2,
+                                    SamplingConfig(temperature=0.0))
+    assert tokens.tolist() == [0, 0] and logp.tolist() == pytest.approx([log(0.5)] * 2)
 
 
 def test_hf_engine_samples_do_not_depend_on_the_batch(hf_engine, prompts):

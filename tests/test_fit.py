@@ -369,6 +369,9 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     ("--model.kl_coef=-0.5", "--model.kl_coef (-0.5) must be >= 0"),
     ("--model.replay_steps=0", "--model.replay_steps (0) must be >= 1"),
     ("--model.dtype=bf16", "--model.dtype ('bf16') must be 'float32', 'bfloat16' or"),
+    ("--data.sampling.top_p=0.9", "--data.sampling.top_p (0.9) 1.0: the update recomputes"),
+    ("--data.sampling.temperature=0", "--data.sampling.temperature (0.0) must be > 0"),
+    ("--data.env.topk=0", "--data.env.topk (0) must be >= 1"),
 ])
 def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message, capsys):
     with pytest.raises((SystemExit, ValueError)) as err:

@@ -193,6 +193,28 @@ def test_training_step_logs_minibatch_statistics(policy_dir, dual_clip):
     assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(loss_sum / 4, rel=1e-4)
 
 
+def test_the_update_recomputes_log_probs_at_the_sampling_temperature(policy_dir):
+    """Rollouts sampled at temperature 0.5 carry the engine's log-probs of that distribution
+    (log_softmax(logits / 0.5)); the mini-batch says so, and the first pass's importance
+    ratios are then exactly 1. Read at temperature 1 they would be far from it."""
+    policy = load(policy_dir)
+    batch = _minibatch(2)
+    with torch.no_grad():
+        for mb in batch["micro"]:
+            mb["old_logprobs"] = TraceModule._logprobs(policy, mb, temperature=0.5)[0]
+            at_1 = TraceModule._logprobs(policy, mb)[0]
+            pm = mb["policy_mask"].bool()
+            assert (at_1 - mb["old_logprobs"])[pm].abs().max() > 0.1
+    trainer = _fit(TraceModule(policy_path=str(policy_dir), lr=1e-3),
+                   [dict(batch, temperature=0.5)])
+    got = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    assert got["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert got["train/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert got["train/approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    trainer = _fit(TraceModule(policy_path=str(policy_dir), lr=1e-3), [batch])  # read at 1
+    assert abs(float(trainer.logged_metrics["train/ratio_mean"]) - 1.0) > 0.05
+
+
 def test_kl_to_the_reference_is_zero_until_the_policy_moves(policy_dir):
     """With kl_coef > 0 a frozen copy of the initial policy scores the same rows: the k3 KL
     is exactly 0 on the first mini-batch and positive once an update has moved the policy."""

@@ -165,6 +165,14 @@ class TraceDataModule(L.LightningDataModule):
                 f"--data.engine.max_model_len ({self.engine_cfg.max_model_len}) must be >= "
                 f"--data.env.max_seq_tokens + --data.sampling.max_tokens "
                 f"({self.env_cfg.max_seq_tokens} + {self.sampling.max_tokens})")
+        if not self.sampling.temperature > 0 or self.sampling.top_p != 1.0:
+            raise ValueError(
+                f"--data.sampling.temperature ({self.sampling.temperature}) must be > 0 and "
+                f"--data.sampling.top_p ({self.sampling.top_p}) 1.0: the update recomputes the "
+                f"rollouts' log-probs as log_softmax(logits / temperature) over the whole "
+                f"vocabulary, so a nucleus (or greedy sampling, whose leaves of one prompt "
+                f"are all alike) would make its importance ratios wrong; sample with top_p "
+                f"1.0 at a temperature above 0 (1.0 as in verl and Search-R1's RL runs)")
         if self.val_samples < 1 or (self.val_temperature == 0.0 and self.val_samples > 1):
             raise ValueError(f"--data.val_samples ({self.val_samples}) must be >= 1, and 1 when "
                              f"--data.val_temperature is 0 (greedy samples are all the same)")
@@ -525,7 +533,8 @@ class TraceDataModule(L.LightningDataModule):
             groups = pack_microbatches(mini, self.max_tokens_per_microbatch) if mini else []
             micro = [collate([mini[i] for i in g], pad,
                              advantages=[mini[i].token_advantages for i in g]) for g in groups]
-            out.append({"micro": micro,
+            # the temperature the old log-probs were sampled at: the update recomputes them so
+            out.append({"micro": micro, "temperature": self.sampling.temperature,
                         "n_tokens": float(sum(sum(s.policy_mask) for s in mini))})
         device = self.trainer.strategy.root_device if self.trainer is not None else None
         return equalise_over_ranks(out, self.tokenizer.pad_token_id, device)

@@ -313,12 +313,15 @@ class TraceModule(L.LightningModule):
         zero = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor] = {"loss": zero, "tokens": zero}  # stats: token-weighted
         ratio_max = zero
+        # the rollouts' sampling temperature: their log-probs are the engine's at it
+        tau = float(batch.get("temperature", 1.0))
         for mb in batch["micro"]:
-            logp, entropy = self._logprobs(self.policy, mb, with_entropy=True)  # (B, T) each
+            logp, entropy = self._logprobs(self.policy, mb, with_entropy=True,
+                                           temperature=tau)  # (B, T) each
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref, _ = self._logprobs(self.reference, mb)  # (B, T)
+                    ref, _ = self._logprobs(self.reference, mb, temperature=tau)  # (B, T)
             loss, stats = policy_loss(logp, mb["old_logprobs"], mb["advantages"],
                                       mb["policy_mask"], clip_low=h.clip_low,
                                       clip_high=h.clip_high, dual_clip=h.dual_clip,
@@ -391,9 +394,10 @@ class TraceModule(L.LightningModule):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     @staticmethod
-    def _logprobs(model, mb: dict, with_entropy: bool = False):
+    def _logprobs(model, mb: dict, with_entropy: bool = False, temperature: float = 1.0):
         """Token log-probs (and entropies) of a collated micro-batch, ``(B, T)`` each, on its
-        policy tokens (0 elsewhere: the loss reads nothing else).
+        policy tokens (0 elsewhere: the loss reads nothing else), at the ``temperature`` the
+        rollouts were sampled at (the engines' log-probs are of that distribution).
 
         - No attention mask: ``collate`` right-pads and attention is causal, so a real token
           never attends to padding and its positions are unchanged. Without a mask SDPA
@@ -415,7 +419,8 @@ class TraceModule(L.LightningModule):
             logits = model(input_ids=ids, use_cache=False).logits  # (M, V): policy rows
         finally:
             hook.remove()
-        lp, ent = row_logprobs(logits, ids[:, 1:][sel], with_entropy=with_entropy)  # (M,)
+        lp, ent = row_logprobs(logits, ids[:, 1:][sel], with_entropy=with_entropy,
+                               temperature=temperature)  # (M,)
         return rows_to_tokens(lp, sel), (rows_to_tokens(ent, sel) if ent is not None else None)
 
     # ---- validation: the DataModule ran the agent; metrics come from the callbacks ------

@@ -1,8 +1,8 @@
 """transformers rollout engine: a batched, KV-cached sampling loop on any causal LM.
 
 The fallback where vLLM does not run, and a reference for it. It speaks the same protocol:
-token ids in, new token ids + the model's raw log-probs (``log_softmax`` of the logits at
-temperature 1, like vLLM's ``raw_logprobs``) out.
+token ids in, new token ids + their log-probs under the distribution sampled from (after
+temperature and top-p, like vLLM's ``processed_logprobs``; ``base.SamplingConfig``) out.
 
 Its own loop instead of ``model.generate`` gives each sample its own ``torch.Generator``
 (sample k of prompt i seeded with ``seed + i * n + k``, as in vLLM) and vLLM's stop
@@ -15,6 +15,7 @@ Prompts are left-padded; there is no prefix cache, so ``cached_tokens`` is alway
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -125,8 +126,7 @@ class HFEngine:
                 # on the model's device; only (B,) tokens and log-probs come back to the host
                 # (copying (B, V) logits each step made a 256 x 151,936 batch 17x slower on GPU)
                 logits = logits.float()  # (B, V)
-                nxt = self._sample(logits, generators, sampling)  # (B,)
-                chosen = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]  # (B,)
+                nxt, chosen = self._sample(logits, generators, sampling)  # (B,) each
                 nxt_host, chosen_host = nxt.tolist(), chosen.tolist()
                 for i in range(batch):
                     if finish[i] is not None:
@@ -153,23 +153,28 @@ class HFEngine:
 
     @staticmethod
     def _sample(logits: torch.Tensor, generators: list[torch.Generator],
-                sampling: SamplingConfig) -> torch.Tensor:
-        """Next token per row of ``logits`` (B, V): greedy at temperature 0, else
-        temperature + top-p sampling with each row's generator."""
+                sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token per row of ``logits`` (B, V) and its log-prob under the distribution
+        it was drawn from: greedy at temperature 0 (raw log-prob), else temperature + top-p
+        sampling with each row's generator."""
         if sampling.temperature == 0:
-            return logits.argmax(-1)  # (B,)
-        probs = torch.softmax(logits / sampling.temperature, dim=-1)  # (B, V)
+            nxt = logits.argmax(-1)  # (B,)
+            return nxt, torch.log_softmax(logits, -1).gather(1, nxt[:, None])[:, 0]
+        logp = torch.log_softmax(logits / sampling.temperature, dim=-1)  # (B, V)
         if sampling.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
+            sorted_lp, order = logp.sort(dim=-1, descending=True)  # (B, V)
+            sorted_p = sorted_lp.exp()  # (B, V)
             # keep a token while the mass before it is below p (vLLM's rule: at top_p 0.5,
             # probabilities [0.5, 0.3, ...] keep the first alone)
             drop = sorted_p.cumsum(-1) - sorted_p >= sampling.top_p  # (B, V)
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)  # (B, V)
+            sorted_lp = sorted_lp.masked_fill(drop, -math.inf)
+            logp = torch.full_like(logp, -math.inf).scatter(-1, order, sorted_lp)  # (B, V)
+            logp = torch.log_softmax(logp, dim=-1)  # (B, V): renormalised over the nucleus
         # one uniform per row from the row's own generator, then every row at once
-        u = torch.stack([torch.rand((), generator=g, device=probs.device)
+        u = torch.stack([torch.rand((), generator=g, device=logp.device)
                          for g in generators])  # (B,)
-        return inverse_cdf(probs, u)  # (B,)
+        nxt = inverse_cdf(logp.exp(), u)  # (B,)
+        return nxt, logp.gather(1, nxt[:, None])[:, 0]
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of each token given the ones before it (first token: 0.0)."""

