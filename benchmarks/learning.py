@@ -14,7 +14,10 @@ wall time of the fit (first to last logged event); and the sampling budget (leav
 method needs to reach a target accuracy, by default the final accuracy of ``uniform`` (so
 ``trace``'s budget / ``uniform``'s is the saving at equal result): per seed at the first
 evaluation at or above it, and on the mean curve over seeds, linear between evaluations
-(the ratio in the JSON line). Every method is also paired with ``uniform`` seed by seed
+(the ratio in the JSON line); and, on the same mean curve, the generated tokens it needs
+(tree leaves share their prefixes' tokens, so a leaf of ``trace`` costs fewer than one of
+``uniform``: the saving in compute, a second unit beside the leaves). Every method is also
+paired with ``uniform`` seed by seed
 (the same seed: the same candidates every epoch and the same evaluation questions): mean
 difference in final accuracy, in accuracy averaged over all epochs (eight evaluations, so
 less noise than the last one alone) and in effective ratio, each with its standard error
@@ -231,6 +234,11 @@ def main(argv=None) -> dict:
             budget_on_curve(r["acc_before"], r["acc_mean"],
                             [r["leaves_per_step"]] * args.epochs, target)
             if target is not None else None)
+        # the same curve in generated tokens (each step's mean over seeds)
+        r["tokens_to_target_mean_curve"] = (
+            budget_on_curve(r["acc_before"], r["acc_mean"],
+                            [r["generated_tokens_per_step"]] * args.epochs, target)
+            if target is not None else None)
         # the area under each seed's curve: the mean of its evaluations after every epoch
         r["mean_acc_per_seed"] = [float(np.mean(x["acc"])) for x in rs]
     if "uniform" in summary:
@@ -261,15 +269,16 @@ def main(argv=None) -> dict:
         print(f"\npaired with uniform, seed by seed: mean difference +- standard error "
               f"(seeds ahead / seeds); leaves to target on the mean curve")
         print(f"{'method':12s}{'final acc':>24s}{'mean acc, all epochs':>26s}"
-              f"{'effective ratio':>24s}{'leaves to target':>18s}")
+              f"{'effective ratio':>24s}{'leaves to target':>18s}{'tokens to target':>18s}")
 
         for m, r in summary.items():
-            b = r["budget_to_target_mean_curve"]
+            b, tok = r["budget_to_target_mean_curve"], r["tokens_to_target_mean_curve"]
             v = r.get("vs_uniform")
             cells = [fmt_paired(v[k]) for k in ("final_acc", "mean_acc", "effective_ratio")] \
                 if v else ["", "", ""]
             print(f"{m:12s}{cells[0]:>24s}{cells[1]:>26s}{cells[2]:>24s}"
-                  f"{'-' if b is None else f'{b:.0f}':>18s}")
+                  f"{'-' if b is None else f'{b:.0f}':>18s}"
+                  f"{'-' if tok is None else f'{tok:.0f}':>18s}")
     if args.final_samples:
         print(f"\nlast checkpoints again, {args.final_samples} samples per held-out question")
         print(f"{'method':12s}{'final acc':>11s}{'vs uniform':>24s}  per seed")
@@ -291,6 +300,9 @@ def main(argv=None) -> dict:
         tb, ub = t["budget_to_target_mean_curve"], u["budget_to_target_mean_curve"]
         if tb is not None and ub:
             result["trace_budget_over_uniform"] = tb / ub
+        tt, ut = t["tokens_to_target_mean_curve"], u["tokens_to_target_mean_curve"]
+        if tt is not None and ut:
+            result["trace_tokens_over_uniform"] = tt / ut
     if args.plot:
         plot(summary, args.plot, target)
     print(json.dumps(result))

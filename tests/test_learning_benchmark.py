@@ -91,3 +91,27 @@ def test_without_uniform_the_target_is_asked_for_before_any_run(bench, monkeypat
     monkeypatch.setattr(bench, "run", lambda *a: pytest.fail("a run started"))
     with pytest.raises(SystemExit, match="--target is needed"):
         bench.main(["--methods", "trace,prompt", "--seeds", "0"])
+
+
+def test_budget_to_the_target_in_leaves_and_in_generated_tokens(bench, monkeypatch, tmp_path):
+    """Runs read back (here made up): the target is uniform's final mean, 0.44. Uniform gets
+    there at its last evaluation (2 steps x 256 leaves = 512 leaves, 2 x 10,000 tokens);
+    trace's mean curve, 0.40 -> 0.43 -> 0.45, crosses 0.44 halfway through step 2: 384
+    leaves (0.75 of uniform's) and 1.5 x 7,500 = 11,250 tokens (0.5625 of uniform's)."""
+    def fake_run(method, seed, args, root):
+        acc = {"uniform": [0.42, 0.44], "trace": [0.43, 0.45]}[method]
+        tokens = {"uniform": 10_000.0, "trace": 7_500.0}[method]
+        return {"method": method, "seed": seed, "acc_before": 0.40, "acc": acc,
+                "effective": [0.4, 0.4], "informative": [0.4, 0.4], "leaves": [256, 256],
+                "tokens": [tokens, tokens], "epoch_s": [1.0, 1.0], "wall_s": 2.0}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    result = bench.main(["--methods", "uniform,trace", "--seeds", "0", "--epochs", "2",
+                         "--plot", str(tmp_path / "plot.png"), "--out-dir", str(tmp_path)])
+    trace = result["methods"]["trace"]
+    assert result["target"] == pytest.approx(0.44)
+    assert trace["budget_to_target_mean_curve"] == pytest.approx(384.0)
+    assert trace["tokens_to_target_mean_curve"] == pytest.approx(11_250.0)
+    assert result["methods"]["uniform"]["tokens_to_target_mean_curve"] == pytest.approx(20_000)
+    assert result["trace_budget_over_uniform"] == pytest.approx(0.75)
+    assert result["trace_tokens_over_uniform"] == pytest.approx(0.5625)
