@@ -16,16 +16,16 @@ class SamplingConfig:
 
     Args:
         temperature: softmax temperature; 0 means greedy.
-        top_p: nucleus sampling mass.
+        top_p: nucleus sampling mass (1.0 for training rollouts: the update has no nucleus).
+        max_tokens: most new tokens per call (one agent turn).
+        stop: strings that end a turn; the stop string is kept in the output.
+        seed: base seed; sample k of prompt i (of ``n``) uses ``seed + i * n + k``, so a
+            batch is reproducible and no two samples share a seed. None: unseeded.
 
     An engine returns each sampled token's log-prob under the distribution it was sampled
     from: ``log_softmax(logits / temperature)``, renormalised over the nucleus where
     ``top_p`` < 1 (the raw ``log_softmax(logits)`` when greedy), as verl and TRL compute it,
     so a trainer that recomputes them at the same temperature starts its ratios at 1.
-        max_tokens: most new tokens per call (one agent turn).
-        stop: strings that end a turn; the stop string is kept in the output.
-        seed: base seed; sample k of prompt i (of ``n``) uses ``seed + i * n + k``, so a
-            batch is reproducible and no two samples share a seed. None: unseeded.
     """
 
     temperature: float = 1.0
