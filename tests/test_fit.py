@@ -860,6 +860,45 @@ def test_a_checkpoint_missing_on_one_process_stops_at_setup(demo_dir, tmp_path, 
     assert dm.engine is None and told == [False, True]
 
 
+def test_an_engine_failing_to_start_on_one_process_stops_every_process(demo_dir, monkeypatch):
+    """vLLM out of GPU memory beside another job on one node: that process raises its own
+    error after telling the others, which raise ``RankFailed`` instead of waiting for it in
+    their first collective (the weight sync) until the process group's timeout."""
+    from types import SimpleNamespace
+
+    from trace_lightning.collectives import RankFailed
+    from trace_lightning.data import TraceDataModule
+    from trace_lightning.data_config import EngineConfig
+
+    def out_of_memory(*a, **k):
+        raise RuntimeError("CUDA out of memory (simulated: no GPU here)")
+
+    told = []  # the flags process 0 tells the other process (simulated)
+
+    def setup(build, peer_fails_engine: bool) -> None:
+        """Set up as process 0 of two with ``build`` as the engine; the other process fails
+        only at the engine's agreement, if at all."""
+        told.clear()
+
+        def any_failed(failed: bool) -> bool:
+            told.append(failed)
+            return failed or (peer_fails_engine and len(told) == 3)
+
+        monkeypatch.setattr(EngineConfig, "build", build)
+        monkeypatch.setattr(TraceDataModule, "_any_failed", property(lambda self: any_failed))
+        dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo_dir)),
+                             policy_path=str(demo_dir / "model"))
+        dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
+        dm.setup("fit")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        setup(out_of_memory, peer_fails_engine=False)
+    assert told == [False, False, True]  # prepare_data's agreement, setup's, the engine's
+    with pytest.raises(RankFailed, match=r"another process failed starting the rollout engine"):
+        setup(lambda *a, **k: "engine", peer_fails_engine=True)
+    assert told == [False, False, False]
+
+
 def test_validate_with_a_missing_checkpoint_path_fails_before_the_engine(demo_dir, tmp_path,
                                                                          monkeypatch):
     from trace_lightning.data_config import EngineConfig

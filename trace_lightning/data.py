@@ -240,11 +240,17 @@ class TraceDataModule(L.LightningDataModule):
             self._setup(stage)
         self._agree_on_checkpoint()
         if self.engine is None:
-            from transformers import AutoTokenizer
+            # an engine failing to start on one process (out of GPU memory beside another
+            # job, a CUDA error) stops every process, not just its own
+            with fail_together("starting the rollout engine (--data.engine)", self._any_failed):
+                self._start_engine()
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
+    def _start_engine(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
 
     def _setup(self, stage: str) -> None:
         """Everything of ``setup`` that reads this process's files and services (no
