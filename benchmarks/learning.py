@@ -30,6 +30,8 @@ against sampling budget per method (the mean over seeds, shaded +- its standard 
     python benchmarks/learning.py                   # 3 seeds x 4 methods (about an hour here)
     python benchmarks/learning.py --quick           # 1 seed, 3 epochs, 128 leaves (< 10 min here)
     python benchmarks/learning.py --final-samples 16  # + each final policy on 200 x 16 rollouts
+    python benchmarks/learning.py --methods uniform,trace,oracle  # + the upper bound
+                                                    # (configs/demo_oracle.yaml)
 
 Ends with one JSON line.
 """
@@ -194,6 +196,12 @@ def main(argv=None) -> dict:
     args.plot = args.plot or ("docs/learning.png" if not args.quick
                               else str(Path(args.out_dir) / "learning.png"))
     methods = args.methods.split(",")
+    unknown = [m for m in methods
+               if m != "trace" and not (REPO / "configs" / f"demo_{m}.yaml").exists()]
+    if unknown:  # before hours of runs, not after
+        raise SystemExit(f"learning.py: --methods {args.methods}: no configs/demo_<method>.yaml "
+                         f"for {unknown}; the methods are trace and those configs' "
+                         f"(uniform, random_tree, prompt, oracle)")
     if args.target is None and "uniform" not in methods:  # before hours of runs, not after
         raise SystemExit("learning.py: --target is needed when --methods has no 'uniform' "
                          "(whose final accuracy is the default target)")
