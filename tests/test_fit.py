@@ -4,6 +4,7 @@ Trainer on a small demo world; checkpoint resume; errors before any work starts.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -563,6 +564,18 @@ def test_optimizer_flags_are_not_offered(capsys):
         main(["fit", "--config", str(REPO / "configs" / "demo.yaml"), "--optimizer", "SGD"])
     assert exit_.value.code != 0
     assert "optimizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+def test_only_fit_and_validate_are_offered(subcommand, capsys):
+    """The module has no test or predict step: Lightning's subcommands would parse, build the
+    world and the engine, and then fail on the missing step."""
+    with pytest.raises(SystemExit) as exit_:
+        main([subcommand, "--config", str(REPO / "configs" / "demo.yaml")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"invalid choice: '{subcommand}' \(choose from '?fit'?, '?validate'?\)$",
+                     err, re.M), err
 
 
 def test_missing_policy_path_is_a_clear_error(tmp_path):
