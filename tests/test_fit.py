@@ -876,7 +876,10 @@ def test_a_checkpoint_missing_on_one_process_stops_at_setup(demo_dir, tmp_path, 
 def test_an_engine_failing_to_start_on_one_process_stops_every_process(demo_dir, monkeypatch):
     """vLLM out of GPU memory beside another job on one node: that process raises its own
     error after telling the others, which raise ``RankFailed`` instead of waiting for it in
-    their first collective (the weight sync) until the process group's timeout."""
+    their first collective (the weight sync) until the process group's timeout. vLLM on GPUs
+    under several processes runs collectives of its own while it starts: its memory is
+    checked (and agreed on) before, and a failure inside it is not agreed on, since the
+    others wait in vLLM's collective, not in ours. (No GPU here: the device is simulated.)"""
     from types import SimpleNamespace
 
     from trace_lightning.collectives import RankFailed
@@ -888,16 +891,17 @@ def test_an_engine_failing_to_start_on_one_process_stops_every_process(demo_dir,
 
     told = []  # the flags process 0 tells the other process (simulated)
 
-    def setup(build, peer_fails_engine: bool) -> None:
+    def setup(build, peer_fails_at: int | None = None, together: bool = False) -> None:
         """Set up as process 0 of two with ``build`` as the engine; the other process fails
-        only at the engine's agreement, if at all."""
+        at its ``peer_fails_at``-th agreement, if at all."""
         told.clear()
 
         def any_failed(failed: bool) -> bool:
             told.append(failed)
-            return failed or (peer_fails_engine and len(told) == 3)
+            return failed or len(told) == peer_fails_at
 
         monkeypatch.setattr(EngineConfig, "build", build)
+        monkeypatch.setattr(EngineConfig, "starts_together", lambda self, d, w: together)
         monkeypatch.setattr(TraceDataModule, "_any_failed", property(lambda self: any_failed))
         dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo_dir)),
                              policy_path=str(demo_dir / "model"))
@@ -905,11 +909,41 @@ def test_an_engine_failing_to_start_on_one_process_stops_every_process(demo_dir,
         dm.setup("fit")
 
     with pytest.raises(RuntimeError, match="out of memory"):
-        setup(out_of_memory, peer_fails_engine=False)
-    assert told == [False, False, True]  # prepare_data's agreement, setup's, the engine's
+        setup(out_of_memory)
+    # prepare_data's agreement, setup's, the tokenizer and device's, the engine's
+    assert told == [False, False, False, True]
     with pytest.raises(RankFailed, match=r"another process failed starting the rollout engine"):
-        setup(lambda *a, **k: "engine", peer_fails_engine=True)
+        setup(lambda *a, **k: "engine", peer_fails_at=4)
+    assert told == [False, False, False, False]
+    # the other process's GPU is taken: agreed on before any engine starts
+    with pytest.raises(RankFailed, match=r"another process failed loading the tokenizer and "
+                                         r"checking the engine's device"):
+        setup(lambda *a, **k: pytest.fail("an engine started"), peer_fails_at=3)
+    # vLLM's own collectives: its failure is not agreed on (a collective the other process,
+    # waiting in vLLM's, would never join)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        setup(out_of_memory, together=True)
     assert told == [False, False, False]
+
+
+def test_gpu_memory_vllm_would_refuse_is_named_before_it_starts():
+    """vLLM takes ``gpu_memory_utilization`` of the GPU's total memory and refuses to start
+    with less free; the check names the flag, what is free, and the most it could take."""
+    from trace_lightning.data_config import EngineConfig
+    from trace_lightning.engines.vllm_engine import check_gpu_memory
+
+    gib = 2**30
+    check_gpu_memory(free=30 * gib, total=80 * gib, utilization=0.3, device=0)  # 24 GiB: fits
+    with pytest.raises(ValueError, match=r"--data.engine.gpu_memory_utilization \(0.5\) asks "
+                                         r"vLLM for 40.0 GiB of GPU 3's 80.0 GiB, but only 30.0 "
+                                         r"GiB are free .* at most 0.36"):
+        check_gpu_memory(free=30 * gib, total=80 * gib, utilization=0.5, device=3)
+    # collectives of its own only where vLLM starts on GPUs under several processes
+    vllm, hf = EngineConfig(kind="vllm"), EngineConfig(kind="hf")
+    assert vllm.starts_together("cuda", 2)
+    assert not vllm.starts_together("cuda", 1) and not vllm.starts_together("cpu", 2)
+    assert not hf.starts_together("cuda", 2)
+    vllm.check_device("cpu")  # nothing to check on CPU
 
 
 def test_validate_with_a_missing_checkpoint_path_fails_before_the_engine(demo_dir, tmp_path,

@@ -240,17 +240,26 @@ class TraceDataModule(L.LightningDataModule):
             self._setup(stage)
         self._agree_on_checkpoint()
         if self.engine is None:
-            # an engine failing to start on one process (out of GPU memory beside another
-            # job, a CUDA error) stops every process, not just its own
-            with fail_together("starting the rollout engine (--data.engine)", self._any_failed):
-                self._start_engine()
+            self._start_engine()
 
     def _start_engine(self) -> None:
+        """The tokenizer and the engine. A failure on one process stops every process
+        (``fail_together``): the tokenizer, the GPU memory the engine is to take (another
+        job on one GPU), and the start itself where it runs no collective of its own. vLLM
+        on GPUs under several processes does (``EngineConfig.starts_together``): there a
+        failure inside ends its own process only."""
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
+        with fail_together("loading the tokenizer and checking the engine's device "
+                           "(--data.engine)", self._any_failed):
+            self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
+            self.engine_cfg.check_device(device)
+        if self.engine_cfg.starts_together(device, self._rank[1]):
+            self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
+            return
+        with fail_together("starting the rollout engine (--data.engine)", self._any_failed):
+            self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
 
     def _setup(self, stage: str) -> None:
         """Everything of ``setup`` that reads this process's files and services (no

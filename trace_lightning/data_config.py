@@ -61,6 +61,25 @@ class EngineConfig:
     batch_size: int = 32
     sync_atol: float = 1e-3
 
+    def starts_together(self, device: str, world: int) -> bool:
+        """Whether starting the engine runs collectives of its own: vLLM on GPUs under
+        several processes joins a process group of every rank (``external_launcher``) and
+        agrees on memory in it. A failure inside cannot be agreed on (the others wait in
+        vLLM's collective, not ours): the process that failed exits, and the others stop when
+        vLLM's collective finds it gone, or at vLLM's group timeout."""
+        return self.kind == "vllm" and device == "cuda" and world > 1
+
+    def check_device(self, device: str) -> None:
+        """What can be checked before the engine starts: vLLM's share of a GPU is free."""
+        if self.kind == "vllm" and device == "cuda":
+            import torch
+
+            from trace_lightning.engines.vllm_engine import check_gpu_memory
+
+            index = torch.cuda.current_device()
+            free, total = torch.cuda.mem_get_info(index)
+            check_gpu_memory(free, total, self.gpu_memory_utilization, index)
+
     def build(self, model_path: str, seed: int, device: str):
         """The engine on ``model_path``."""
         if self.kind == "hf":

@@ -123,6 +123,22 @@ def executor_backend(on_cpu: bool, tensor_parallel_size: int) -> str | None:
     return "external_launcher"
 
 
+def check_gpu_memory(free: int, total: int, utilization: float, device: int) -> None:
+    """vLLM's own start-up check, made before it starts: it takes ``utilization`` of the
+    GPU's ``total`` bytes and refuses to start when fewer are ``free`` (another job on the
+    GPU). Under several processes vLLM checks only after joining its process group, where a
+    failure on one process leaves the others waiting in vLLM's next collective; checked here
+    first, every process can be told (``TraceDataModule.setup``)."""
+    need = utilization * total
+    if free < need:
+        gib = 2**30
+        raise ValueError(
+            f"--data.engine.gpu_memory_utilization ({utilization}) asks vLLM for "
+            f"{need / gib:.1f} GiB of GPU {device}'s {total / gib:.1f} GiB, but only "
+            f"{free / gib:.1f} GiB are free (another process holds the rest): free the GPU, "
+            f"or lower it to at most {max(free / total - 0.01, 0):.2f}")
+
+
 class VLLMEngine:
     """Rollout engine on vLLM's offline ``LLM``, run in this process.
 
