@@ -750,9 +750,12 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
     loop, trees, _ = grow(vllm_scripted, env, yes_no + other, 8, seed=3)
     shapes = [signature(t) for t in trees]
     engine = RecordingEngine(vllm_scripted)
-    predict = oracle_predict(AgentLoop(engine, env, SAMPLING), samples=200, seed=0)
+    counted = []  # the step's progress (leaves finished): probes are not among them
+    probing = AgentLoop(engine, env, SAMPLING, on_leaves=counted.append)
+    predict = oracle_predict(probing, samples=200, seed=0)
     predict(trees)
     assert [signature(t) for t in trees] == shapes  # probes are separate trees
+    assert counted == [] and probing.on_leaves == counted.append
     by_depth: dict[int, list[float]] = {}
     for t in trees[:len(yes_no)]:
         for n in [t.root, *t.prefixes()]:

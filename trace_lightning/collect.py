@@ -160,7 +160,11 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:
         # a seed per call: stage 2 calls once per turn, and probe i of two calls must not
         # draw the same samples
         call_seed = int(np.random.SeedSequence([seed, next(calls)]).generate_state(1)[0])
-        loop.expand([Start(p, 0, samples) for p in probes], seed=call_seed)
+        on_leaves, loop.on_leaves = loop.on_leaves, None  # probes are no leaves of the step
+        try:
+            loop.expand([Start(p, 0, samples) for p in probes], seed=call_seed)
+        finally:
+            loop.on_leaves = on_leaves
         for p, n in zip(probes, targets):
             rewards = [leaf.reward for leaf in p.leaves()]
             n.prediction = sum(rewards) / len(rewards)
