@@ -8,8 +8,8 @@ One Qwen3-0.6B-shaped model with random weights (no download), bf16, SDPA attent
 2. ``plain``: a bare loop, ``--batch`` x ``--seq`` random tokens per forward, ``--accum``
    forwards per AdamW step (fused), the same loss as ours (``token_logprobs`` with entropy +
    ``policy_loss``), gradient clipping at 1.0.
-3. ``ours``: ``TraceModule.training_step`` under ``Trainer(strategy=FSDPStrategy(auto_wrap_policy=
-   {Qwen3DecoderLayer}), precision="bf16-true")`` on a DataLoader of mini-batch dicts:
+3. ``ours``: ``TraceModule.training_step`` under ``Trainer(strategy=TraceFSDPStrategy(
+   auto_wrap_policy={Qwen3DecoderLayer}), precision="bf16-true")`` on a DataLoader of mini-batch dicts:
    synthetic tree-like leaves (300-2048 tokens, ~60% policy tokens) packed by
    ``pack_microbatches`` into micro-batches of at most ``batch * seq`` padded tokens, about
    ``batch * seq * accum`` real tokens per mini-batch (one optimizer step each, as in plain).
@@ -463,13 +463,11 @@ def _updated_frac(before: torch.Tensor | None, model) -> float | None:
 
 
 def _fsdp_strategy(s: Setup):
-    """Lightning's FSDPStrategy on CUDA; on CPU (--tiny) the same FSDP1 code over gloo."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from trace_lightning.strategies import CPUFSDPStrategy
+    """Our FSDP strategy (the GPU configs'); on CPU (--tiny) the same FSDP1 code over gloo."""
+    from trace_lightning.strategies import CPUFSDPStrategy, TraceFSDPStrategy
 
     if s.cuda:
-        return FSDPStrategy(auto_wrap_policy={Qwen3DecoderLayer}), "cuda"
+        return TraceFSDPStrategy(auto_wrap_policy={Qwen3DecoderLayer}), "cuda"
     return CPUFSDPStrategy(auto_wrap_policy={Qwen3DecoderLayer}), "cpu"
 
 

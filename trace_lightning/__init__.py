@@ -25,7 +25,7 @@ Layout (one small module per idea):
     module       TraceModule (policy + predictor, the update)
     cli          the `trace-lightning` LightningCLI
     export       the trained policy as a Hugging Face directory
-    strategies   CPUFSDPStrategy: the FSDP path on CPU processes
+    strategies   TraceFSDPStrategy (fp32 buffers and reductions), CPUFSDPStrategy
     models       a tiny Qwen3 and a BPE tokenizer trained here
     demo/        the generated multi-hop demo world and its warm start
 """
