@@ -200,6 +200,87 @@ def test_policy_weights_gathered_from_fsdp2_shards(model_dir, policy, tmp_path):
                                    atol=1e-5, rtol=0)
 
 
+def _fsdp1_worker(rank: int, world: int, model_dir: str, out_dir: str) -> None:
+    """FSDP1 as our strategies wrap the policy: a unit per decoder layer inside the policy's
+    root unit, original parameters, activation checkpointing. The stream before any forward
+    (the first sync comes before the first training step) and after one, and how many units
+    had been gathered when each weight came."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True,
+                 auto_wrap_policy=ModuleWrapPolicy({Qwen3DecoderLayer}))
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Qwen3DecoderLayer))
+    gathers = []
+    summon = FSDP.summon_full_params
+
+    @contextlib.contextmanager
+    def counted(module, *args, **kwargs):
+        gathers.append(module)
+        with summon(module, *args, **kwargs):
+            yield
+
+    FSDP.summon_full_params = staticmethod(counted)
+    before, gathered_by = {}, {}
+    for name, tensor in policy_weights(model):
+        before[name], gathered_by[name] = tensor, len(gathers)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))  # FSDP's lazy init held
+    after = dict(policy_weights(model))
+    torch.save({"before": before, "after": after, "gathered_by": gathered_by},
+               f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_policy_weights_gathered_one_fsdp1_unit_at_a_time(model_dir, policy, tmp_path):
+    """Under FSDP1 (2 CPU processes, gloo) every rank gets the full, HF-named weights (the
+    tied LM head under both names, as ``state_dict`` has them), gathered a unit at a time:
+    the root unit's own weights (embedding, final norm, LM head) after the first gather,
+    layer i's after the (i + 2)-th, so a rank never holds the whole gathered model (33 GB
+    for Qwen3-8B in fp32) as it did when the stream began with one gather of everything."""
+    torch.multiprocessing.spawn(_fsdp1_worker, args=(2, str(model_dir), str(tmp_path)),
+                                nprocs=2)
+    want = policy.state_dict()
+    assert "lm_head.weight" in want  # the tiny model ties it to the embedding
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for stream in ("before", "after"):
+            assert list(got[stream]) and set(got[stream]) == set(want), (rank, stream)
+            for name, tensor in want.items():
+                torch.testing.assert_close(got[stream][name], tensor, atol=0, rtol=0)
+        for name, count in got["gathered_by"].items():
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+            assert count == layer + 2, (name, count)
+
+
+def test_weight_chunks_cut_the_stream_by_bytes():
+    """vLLM on CUDA loads the stream in chunks: at most ``max_bytes`` each (a larger tensor
+    alone), in order, each taken from the stream only when needed."""
+    from trace_lightning.engines.vllm_engine import weight_chunks
+
+    taken = []
+
+    def stream():
+        for name, n in [("a", 100), ("b", 100), ("c", 300), ("d", 50), ("e", 10)]:
+            taken.append(name)
+            yield name, torch.zeros(n, dtype=torch.float32)  # 4 bytes each
+
+    chunks = weight_chunks(stream(), max_bytes=800)
+    assert [n for n, _ in next(chunks)] == ["a", "b"] and taken == ["a", "b", "c"]  # 800
+    assert [[n for n, _ in c] for c in chunks] == [["c"], ["d", "e"]]  # 1,200 alone; 240
+    assert [[n for n, _ in c] for c in weight_chunks(iter([]), 8)] == []
+
+
 def _failing_engine_worker(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     """Rank 1's engine fails as it starts to load the weights (as an out-of-memory error
     would), before it took any; rank 0's syncs fine. Each rank writes what it stopped with."""

@@ -4,11 +4,15 @@ A silent failure here, where the engine keeps sampling the old policy, is the mo
 most expensive bug in RL frameworks, so every sync ends with a check: the engine's log-probs
 of a short probe sequence must equal the policy's own (fp32 forward pass) to ``atol``.
 
-Under FSDP the full parameters are gathered with
-``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True)`` on
-every rank (each rank feeds its own colocated engine); otherwise ``state_dict()`` is used.
-Names are the Hugging Face state-dict names (``model.layers.0...``, ``lm_head.weight``); the
-engines handle tied embeddings themselves.
+Under FSDP every rank gets the full parameters (each rank feeds its own colocated engine):
+under FSDP1 with the original parameters (our strategies) one FSDP unit at a time
+(``summon_full_params`` without recursion, each tensor cloned before the unit is sharded
+again), so with an engine that loads as the stream goes (``VLLMEngine`` on CUDA) a rank
+holds about one decoder layer's gathered weights, not the whole model (Qwen3-8B in fp32:
+33 GB); under FSDP2 with
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True)``;
+otherwise ``state_dict()`` is used. Names are the Hugging Face state-dict names
+(``model.layers.0...``, ``lm_head.weight``); the engines handle tied embeddings themselves.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.fsdp._common_utils import clean_tensor_name
 from torch.nn.parallel import DistributedDataParallel
 
 from trace_lightning.collectives import raise_together
@@ -47,11 +52,16 @@ def policy_weights(policy: nn.Module,
                    rank0_cpu: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's full weights, HF-named, gathered from shards if the model is FSDP.
 
-    Every rank gets them where they live (each feeds its own engine); ``rank0_cpu``: only
-    rank 0 gets them, on the CPU (other ranks none), for writing them out. Under FSDP every
-    rank must call this either way: the gather is collective."""
+    Every rank gets them where they live (each feeds its own engine), under FSDP1 one unit
+    at a time; ``rank0_cpu``: only rank 0 gets them, on the CPU (other ranks none), for
+    writing them out. Under FSDP every rank must call this either way, and consume the whole
+    stream: the gathers are collective."""
     if isinstance(policy, DistributedDataParallel):
         policy = policy.module
+    if (not rank0_cpu and dist.is_initialized()  # FSDP1 with the original parameters (ours)
+            and isinstance(policy, FullyShardedDataParallel) and policy._use_orig_params):
+        yield from _gathered_by_unit(policy)
+        return
     if dist.is_initialized() and _is_sharded(policy):
         # on CUDA the gather lands on rank 0's CPU alone; on CPU processes every rank
         # gathers (FSDP1's CPU offload of CPU tensors segfaulted there: torch 2.13, gloo)
@@ -64,6 +74,34 @@ def policy_weights(policy: nn.Module,
         state = {}
     for name, tensor in state.items():
         yield name, tensor.detach().cpu() if rank0_cpu else tensor.detach()
+
+
+def _gathered_by_unit(root: FullyShardedDataParallel) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FSDP1 root's parameters and persistent buffers, HF-named, one FSDP unit gathered
+    at a time: the root's own first (its lazy initialisation makes it the root), then each
+    nested unit's in module order, the same on every rank. Each tensor is a clone that
+    outlives the unit's resharding."""
+    units = [(n, m) for n, m in root.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    for prefix, unit in units:
+        with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
+            for name, tensor in _own_tensors(unit):
+                full = clean_tensor_name(f"{prefix}.{name}" if prefix else name)
+                yield full, tensor.detach().clone()
+
+
+def _own_tensors(unit: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``unit``'s parameters and persistent buffers outside the FSDP units nested in it
+    (a parameter tied to two modules is named under each, as ``state_dict`` names it)."""
+    stack = [("", unit)]
+    while stack:
+        path, module = stack.pop()
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            yield f"{path}{name}", p
+        for name, b in module.named_buffers(recurse=False, remove_duplicate=False):
+            if b is not None and name not in module._non_persistent_buffers_set:
+                yield f"{path}{name}", b
+        stack.extend((f"{path}{n}.", c) for n, c in reversed(list(module.named_children()))
+                     if not isinstance(c, FullyShardedDataParallel))
 
 
 @torch.no_grad()

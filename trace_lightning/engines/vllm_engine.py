@@ -60,7 +60,7 @@ import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from collections.abc import Iterable  # noqa: E402
+from collections.abc import Iterable, Iterator  # noqa: E402
 
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
@@ -121,6 +121,25 @@ def executor_backend(on_cpu: bool, tensor_parallel_size: int) -> str | None:
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
     return "external_launcher"
+
+
+LOAD_CHUNK_BYTES = 1 << 30  # weights per vLLM load call on CUDA
+
+
+def weight_chunks(weights: Iterable[tuple[str, torch.Tensor]],
+                  max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``weights`` in stream order, cut into lists of at most ``max_bytes`` (a larger tensor
+    alone), each list taken from the stream only when the one before has been used."""
+    chunk, size = [], 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, tensor.detach()))
+        size += nbytes
+    if chunk:
+        yield chunk
 
 
 def check_gpu_memory(free: int, total: int, utilization: float, device: int) -> None:
@@ -279,12 +298,18 @@ class VLLMEngine:
         return result
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named weights in place and drop the prefix cache computed with the old ones."""
-        tensors = [(name, t.detach()) for name, t in weights]
+        """Load HF-named weights in place and drop the prefix cache computed with the old ones.
+
+        On CUDA as the stream goes, in chunks of at most ``LOAD_CHUNK_BYTES`` (vLLM's
+        ``load_weights`` takes any subset), so a stream gathered one FSDP unit at a time
+        (``sync.policy_weights``) never holds the whole model; on CPU in one reload (its
+        repacking needs the whole stream, see the module docstring)."""
         if self.on_cpu:
+            tensors = [(name, t.detach()) for name, t in weights]
             self.llm.collective_rpc(_reload_weights_cpu, args=(tensors,))
         else:
-            self.llm.collective_rpc(_load_weights_cuda, args=(tensors,))
+            for chunk in weight_chunks(weights, LOAD_CHUNK_BYTES):
+                self.llm.collective_rpc(_load_weights_cuda, args=(chunk,))
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
