@@ -258,7 +258,8 @@ class TraceModule(L.LightningModule):
         largest log-prob difference on ``probe`` (raises WeightSyncError above ``atol``).
 
         Under FSDP the policy is its own FSDP root (see ``configure_model``): its forward
-        gathers every parameter and its state dict gathers to full HF names. The policy's
+        gathers every parameter, and the sync gathers its units one at a time under full HF
+        names (``sync.policy_weights``). The policy's
         probe log-probs of the last sync into the same engine and probe let the check catch
         an engine the load left unchanged (see ``sync_weights``). ``any_failed``: several
         processes agree on a failure (``sync_weights``)."""
