@@ -281,6 +281,54 @@ def test_weight_chunks_cut_the_stream_by_bytes():
     assert [[n for n, _ in c] for c in weight_chunks(iter([]), 8)] == []
 
 
+def test_weight_chunks_of_a_tied_model_load_through_vllms_loader():
+    """vLLM's own loader (``AutoWeightsLoader``) on a model whose LM head is its embedding,
+    as vLLM's Qwen3 ties them (no GPU here: the model is a stand-in of vLLM's layers). Given
+    ``lm_head.weight`` in a call without the embedding, it refuses the call; the chunks of a
+    tied model leave it out, so every chunk loads and the head is the embedding."""
+    from torch import nn
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    from trace_lightning.engines.vllm_engine import weight_chunks
+
+    def holding(cls, weight):  # vLLM's layer class, with the weight alone (no TP groups)
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.weight = weight
+        return layer
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            shared = nn.Parameter(torch.zeros(8, 4))
+            self.model = nn.Module()
+            self.model.embed_tokens = holding(VocabParallelEmbedding, shared)
+            self.model.norm = nn.LayerNorm(4)
+            self.lm_head = holding(ParallelLMHead, shared)
+
+        def load_weights(self, weights):
+            return AutoWeightsLoader(self).load_weights(weights)
+
+    stream = [("model.embed_tokens.weight", torch.full((8, 4), 2.0)),
+              ("model.norm.weight", torch.ones(4)), ("model.norm.bias", torch.zeros(4)),
+              ("lm_head.weight", torch.full((8, 4), 2.0))]
+    model = Tied()
+    with pytest.raises(ValueError, match="tied"):  # the head in a chunk of its own
+        for chunk in weight_chunks(iter(stream), max_bytes=128):
+            model.load_weights(chunk)
+    model = Tied()
+    chunks = list(weight_chunks(iter(stream), max_bytes=128, tied_embeddings=True))
+    assert [[n for n, _ in c] for c in chunks] == [["model.embed_tokens.weight"],
+                                                   ["model.norm.weight", "model.norm.bias"]]
+    for chunk in chunks:
+        model.load_weights(chunk)
+    assert torch.equal(model.lm_head.weight, torch.full((8, 4), 2.0))
+
+
 def _failing_engine_worker(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     """Rank 1's engine fails as it starts to load the weights (as an out-of-memory error
     would), before it took any; rank 0's syncs fine. Each rank writes what it stopped with."""

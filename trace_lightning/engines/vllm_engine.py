@@ -126,12 +126,18 @@ def executor_backend(on_cpu: bool, tensor_parallel_size: int) -> str | None:
 LOAD_CHUNK_BYTES = 1 << 30  # weights per vLLM load call on CUDA
 
 
-def weight_chunks(weights: Iterable[tuple[str, torch.Tensor]],
-                  max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def weight_chunks(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int,
+                  tied_embeddings: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``weights`` in stream order, cut into lists of at most ``max_bytes`` (a larger tensor
-    alone), each list taken from the stream only when the one before has been used."""
+    alone), each list taken from the stream only when the one before has been used.
+
+    ``tied_embeddings``: ``lm_head.weight`` is left out. It is the embedding itself, and
+    vLLM's loader refuses it in any call that does not also load the embedding ("skipped
+    because it is tied to 'model.embed_tokens.weight'"), which chunks cannot promise."""
     chunk, size = [], 0
     for name, tensor in weights:
+        if tied_embeddings and name == "lm_head.weight":
+            continue
         nbytes = tensor.numel() * tensor.element_size()
         if chunk and size + nbytes > max_bytes:
             yield chunk
@@ -308,7 +314,9 @@ class VLLMEngine:
             tensors = [(name, t.detach()) for name, t in weights]
             self.llm.collective_rpc(_reload_weights_cpu, args=(tensors,))
         else:
-            for chunk in weight_chunks(weights, LOAD_CHUNK_BYTES):
+            tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings",
+                           False)
+            for chunk in weight_chunks(weights, LOAD_CHUNK_BYTES, tied_embeddings=tied):
                 self.llm.collective_rpc(_load_weights_cuda, args=(chunk,))
         self.reset_prefix_cache()
 
