@@ -279,6 +279,10 @@ def test_weight_chunks_cut_the_stream_by_bytes():
     assert [n for n, _ in next(chunks)] == ["a", "b"] and taken == ["a", "b", "c"]  # 800
     assert [[n for n, _ in c] for c in chunks] == [["c"], ["d", "e"]]  # 1,200 alone; 240
     assert [[n for n, _ in c] for c in weight_chunks(iter([]), 8)] == []
+    # into a bf16 engine: cast first, at 2 bytes each (c, d and e: 720 bytes, one chunk)
+    chunks = list(weight_chunks(stream(), max_bytes=800, dtype=torch.bfloat16))
+    assert [[n for n, _ in c] for c in chunks] == [["a", "b"], ["c", "d", "e"]]
+    assert all(t.dtype == torch.bfloat16 for c in chunks for _, t in c)
 
 
 def test_weight_chunks_of_a_tied_model_load_through_vllms_loader():

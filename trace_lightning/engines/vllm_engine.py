@@ -127,9 +127,13 @@ LOAD_CHUNK_BYTES = 1 << 30  # weights per vLLM load call on CUDA
 
 
 def weight_chunks(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int,
-                  tied_embeddings: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                  tied_embeddings: bool = False, dtype: torch.dtype | None = None,
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``weights`` in stream order, cut into lists of at most ``max_bytes`` (a larger tensor
     alone), each list taken from the stream only when the one before has been used.
+    ``dtype``: floating-point tensors cast to the engine's dtype first (an fp32 policy into
+    a bf16 engine: half the bytes per chunk, and none of vLLM's per-parameter dtype
+    warnings).
 
     ``tied_embeddings``: ``lm_head.weight`` is left out. It is the embedding itself, and
     vLLM's loader refuses it in any call that does not also load the embedding ("skipped
@@ -138,6 +142,8 @@ def weight_chunks(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int,
     for name, tensor in weights:
         if tied_embeddings and name == "lm_head.weight":
             continue
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if chunk and size + nbytes > max_bytes:
             yield chunk
@@ -314,9 +320,10 @@ class VLLMEngine:
             tensors = [(name, t.detach()) for name, t in weights]
             self.llm.collective_rpc(_reload_weights_cpu, args=(tensors,))
         else:
-            tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings",
-                           False)
-            for chunk in weight_chunks(weights, LOAD_CHUNK_BYTES, tied_embeddings=tied):
+            config = self.llm.llm_engine.model_config
+            tied = getattr(config.hf_config, "tie_word_embeddings", False)
+            for chunk in weight_chunks(weights, LOAD_CHUNK_BYTES, tied_embeddings=tied,
+                                       dtype=config.dtype):
                 self.llm.collective_rpc(_load_weights_cuda, args=(chunk,))
         self.reset_prefix_cache()
 
