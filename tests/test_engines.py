@@ -244,6 +244,39 @@ def test_close_releases_the_vllm_engine_memory(model_dir, prompts):
     again.close()
 
 
+KEEPS_GROUP_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from trace_lightning.engines import SamplingConfig, build_engine
+
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=0, world_size=1)
+engine = build_engine("vllm", sys.argv[1], enforce_eager=True, kv_cache_memory_gb=0.25)
+engine.close()
+total = torch.ones(1)
+dist.all_reduce(total)  # the trainer's group, still usable
+print("after close:", dist.is_initialized(), total.item())
+again = build_engine("vllm", sys.argv[1], enforce_eager=True, kv_cache_memory_gb=0.25)
+print("again:", len(again.generate([[1, 2, 3]], SamplingConfig(temperature=0.0,
+                                                                max_tokens=2))[0][0].token_ids))
+"""
+
+
+def test_closing_the_vllm_engine_keeps_the_callers_process_group(model_dir, tmp_path):
+    """vLLM's shutdown destroys the default process group; one the trainer started before
+    the engine (Lightning's) must outlive the engine, which the data module closes at the
+    end of every fit and validate. (Its own process: the group would outlive the test.)"""
+    import subprocess
+    import sys
+
+    script = tmp_path / "keeps_group.py"
+    script.write_text(KEEPS_GROUP_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(model_dir), str(tmp_path / "rdv")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "after close: True 1.0" in out.stdout and "again: 2" in out.stdout, out.stdout
+
+
 def test_inverse_cdf_sampling_frequencies_and_edges():
     """Token j is drawn with probability p_j / sum(p) (unnormalised weights), weight-0 tokens
     never, whatever u in [0, 1): 0 gives the first token with weight, the largest float32
@@ -336,9 +369,12 @@ def test_vllm_executor_is_the_external_launcher_for_one_rank_of_several_on_gpus(
     from trace_lightning.engines.vllm_engine import executor_backend
 
     assert executor_backend(on_cpu=True, tensor_parallel_size=1) is None
-    assert not dist.is_initialized()
-    assert executor_backend(on_cpu=False, tensor_parallel_size=1) is None  # one process
+    # one process: no process group (a vLLM engine alive in this module has its own)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert executor_backend(on_cpu=False, tensor_parallel_size=1) is None
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    assert executor_backend(on_cpu=False, tensor_parallel_size=1) is None  # a group of one
     monkeypatch.setattr(dist, "get_world_size", lambda: 8)
     monkeypatch.setattr(dist, "get_rank", lambda: 5)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

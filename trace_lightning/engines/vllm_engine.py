@@ -123,6 +123,28 @@ def executor_backend(on_cpu: bool, tensor_parallel_size: int) -> str | None:
     return "external_launcher"
 
 
+@contextlib.contextmanager
+def _keeping_default_group(keep: bool):
+    """vLLM's shutdown ends with ``torch.distributed.destroy_process_group()``: the default
+    group, even one the caller started before the engine (Lightning's, under several
+    processes or FSDP), which the trainer still uses after the engine is closed. With
+    ``keep`` only the groups vLLM made itself (passed by name) are destroyed meanwhile."""
+    if not keep:
+        yield
+        return
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_but_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_but_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
+
+
 LOAD_CHUNK_BYTES = 1 << 30  # weights per vLLM load call on CUDA
 
 
@@ -212,6 +234,8 @@ class VLLMEngine:
                  cpu_threads: int | None = 1, enable_chunked_prefill: bool | None = None,
                  max_num_batched_tokens: int | None = None) -> None:
         self.on_cpu = current_platform.is_cpu()
+        # a process group the caller started (Lightning's) outlives this engine (``close``)
+        self._callers_group = torch.distributed.is_initialized()
         self.engine_threads = cpu_threads if self.on_cpu else None
         self.trainer_threads = torch.get_num_threads()
         self._set_threads(self.engine_threads)
@@ -336,7 +360,8 @@ class VLLMEngine:
         RSS 1.74 -> 0.67 GB, and a new engine starts in the same process afterwards."""
         self._set_threads(self.trainer_threads)  # the engine is gone: the process's count
         if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+            with _keeping_default_group(self._callers_group):
+                self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
             gc.collect()
 
