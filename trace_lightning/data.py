@@ -255,10 +255,9 @@ class TraceDataModule(L.LightningDataModule):
                            "(--data.engine)", self._any_failed):
             self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
             self.engine_cfg.check_device(device)
-        if self.engine_cfg.starts_together(device, self._rank[1]):
-            self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
-            return
-        with fail_together("starting the rollout engine (--data.engine)", self._any_failed):
+        together = self.engine_cfg.starts_together(device, self._rank[1])
+        with fail_together("starting the rollout engine (--data.engine)",
+                           None if together else self._any_failed):
             self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
 
     def _setup(self, stage: str) -> None:
