@@ -1,4 +1,5 @@
-"""trace_lightning/collectives.py: failing together. The collective itself (``any_failed``)
+"""trace_lightning/collectives.py: failing together, and the gloo group the control-plane
+collectives run on. The collective itself (``any_failed``)
 is simulated here; the two-process runs with the real one are in test_rollout.py
 (a retriever down on one rank), test_fit.py (prepare_data) and test_export.py."""
 
@@ -52,3 +53,78 @@ def test_one_process_raises_as_it_would_without():
     raise_together(None, None, "x")  # nothing failed, no collective to call
     with pytest.raises(ValueError, match="bad"):
         raise_together(ValueError("bad"), None, "x")
+
+
+def _cpu_group_worker(rank: int, world: int, out_dir: str) -> None:
+    """Two gloo processes whose default group says it is NCCL (what Lightning's CUDA
+    strategies give; NCCL itself cannot run here): the flags and objects travel over a gloo
+    group of their own, and rank 1 never touches a device."""
+    import datetime
+    import json
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from trace_lightning import collectives as c
+
+    trainer = type("Trainer", (), {"world_size": world})()
+    out, groups = {}, []
+    for round_ in range(2):  # a second default group (a second fit) gets its own gloo group
+        dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous{round_}",
+                                rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        world_group = dist.group.WORLD
+        real_backend = dist.get_backend
+        with mock.patch.object(dist, "get_backend", side_effect=lambda g=None: (
+                "nccl" if g in (None, world_group) else real_backend(g))):
+            flags = c.any_rank([rank == 1, False])
+            group = c.cpu_group()
+            out[round_] = {
+                "flags": flags,
+                "own_group": group is not world_group,
+                "gloo": real_backend(group) == "gloo",
+                "cached": c.cpu_group() is group,
+                "gathered": c.all_gather_list([f"r{rank}"], trainer),
+                "from_rank0": c.from_rank0(f"r{rank}"),
+            }
+            groups.append(group)
+        dist.destroy_process_group()
+    out["new_group_per_world"] = groups[0] is not groups[1]
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(out, f)
+
+
+def test_flags_and_objects_travel_over_a_gloo_group_whatever_the_trainers_backend(tmp_path):
+    """Under NCCL the control-plane collectives (failure flags, gathered objects) ran on the
+    GPU: a process with a broken CUDA context (a sticky CUDA error) could not even send its
+    failure, and the others waited in the all-reduce until the group's timeout. They now run
+    over a gloo group: created once per default group, the default group itself when it is
+    gloo. The NCCL backend is simulated (its name only): it cannot run without a GPU."""
+    import json
+
+    import torch
+
+    torch.multiprocessing.spawn(_cpu_group_worker, args=(2, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert out["new_group_per_world"]
+        for round_ in ("0", "1"):
+            assert out[round_] == {"flags": [True, False], "own_group": True, "gloo": True,
+                                   "cached": True, "gathered": ["r0", "r1"],
+                                   "from_rank0": "r0"}, (rank, out)
+
+
+def test_a_gloo_default_group_is_used_as_it_is(tmp_path):
+    import datetime
+
+    import torch.distributed as dist
+
+    from trace_lightning.collectives import any_rank, cpu_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        assert cpu_group() is dist.group.WORLD
+        assert any_rank([False, True]) == [False, True]
+    finally:
+        dist.destroy_process_group()

@@ -608,7 +608,6 @@ def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, 
     ``fail_rank``: that rank's retriever fails after its first request; each rank writes
     the error it stopped with."""
     import datetime
-    from functools import partial
 
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -649,7 +648,7 @@ def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, 
     try:
         step = collect_step(loop, alloc, examples, predict, predictor_nodes_seen=1, epoch=0,
                             seed=rank, advantage="grpo", shard=(rank, world), agree=from_rank0,
-                            any_rank=partial(any_rank, device=torch.device("cpu")))
+                            any_rank=any_rank)
         json_out = {"calls": calls, "leaves": step.budget.leaves,
                     "continuations": sum(n.continuations for t in step.trees for n in t.nodes)}
     except Exception as e:  # written, not raised: spawn would kill the other rank

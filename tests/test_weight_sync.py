@@ -338,7 +338,6 @@ def _failing_engine_worker(rank: int, world: int, model_dir: str, out_dir: str) 
     would), before it took any; rank 0's syncs fine. Each rank writes what it stopped with."""
     import datetime
     import json
-    from functools import partial
 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -356,7 +355,7 @@ def _failing_engine_worker(rank: int, world: int, model_dir: str, out_dir: str) 
         def load_weights(weights):  # the gather runs on the stream's first item
             raise RuntimeError("engine out of memory (test)")
         engine.load_weights = load_weights
-    agree = partial(any_rank, device=torch.device("cpu"))
+    agree = any_rank
     try:
         synced = sync_weights(model, engine, make_probe(vocab_size=1024, length=32),
                               any_failed=lambda failed: agree([failed])[0])

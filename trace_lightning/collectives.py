@@ -1,6 +1,12 @@
 """Collectives the module and the data module share: every rank's objects, rank 0's object,
 and failing together.
 
+These carry small Python objects and flags, not tensors of the model, so they run on the CPU
+over a gloo group (``cpu_group``) whatever the trainer's backend: under NCCL they take no GPU
+round trip, and a process whose CUDA context is broken (a sticky CUDA error: an illegal memory
+access in a kernel) can still tell the others it failed instead of leaving them waiting in an
+all-reduce on the GPU until the process group's timeout.
+
 The gathers return their input on one process (``trainer`` None or ``world_size`` 1).
 """
 
@@ -16,12 +22,28 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+_cpu_group: tuple[object, object] | None = None  # (the default group, its gloo group)
+
+
+def cpu_group():
+    """A gloo group of every process, for the collectives below: the default group when it
+    is gloo, else one created for it (once per default group; a collective, so every process
+    calls it at the same point, which the callers below ensure by calling it first)."""
+    global _cpu_group
+    world = dist.group.WORLD
+    if dist.get_backend(world) == dist.Backend.GLOO:
+        return world
+    if _cpu_group is None or _cpu_group[0] is not world:
+        _cpu_group = (world, dist.new_group(backend="gloo"))
+    return _cpu_group[1]
+
+
 def all_gather_list(items: list, trainer) -> list:
     """Every rank's ``items``, concatenated in rank order."""
     if trainer is None or trainer.world_size == 1:
         return items
     parts = [None] * trainer.world_size
-    dist.all_gather_object(parts, items)
+    dist.all_gather_object(parts, items, group=cpu_group())
     return [x for part in parts for x in part]
 
 
@@ -38,15 +60,15 @@ def all_gather_batch(batch, trainer):
 def from_rank0(obj):
     """Rank 0's ``obj`` on every rank (a collective)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=cpu_group())
     return box[0]
 
 
-def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
-    """Each flag OR-ed over the ranks (a collective; ``device`` is the process's own, a CUDA
-    one under NCCL)."""
-    t = torch.tensor([int(f) for f in flags], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+def any_rank(flags: list[bool]) -> list[bool]:
+    """Each flag OR-ed over the ranks (a collective, on the CPU)."""
+    group = cpu_group()
+    t = torch.tensor([int(f) for f in flags])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [bool(x) for x in t.tolist()]
 
 

@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -424,10 +423,8 @@ class TraceDataModule(L.LightningDataModule):
 
     @property
     def _any_rank(self) -> Callable[[list[bool]], list[bool]] | None:
-        """``collectives.any_rank`` on this process's device; None on one process."""
-        if self._rank[1] == 1:
-            return None
-        return partial(any_rank, device=self.trainer.strategy.root_device)
+        """``collectives.any_rank``; None on one process."""
+        return None if self._rank[1] == 1 else any_rank
 
     @property
     def _any_failed(self) -> Callable[[bool], bool] | None:
