@@ -8,15 +8,12 @@ the top of ``run`` (epoch 0, *before* ``on_train_start``) and again at the top o
 ``datamodule.last_step`` holds that epoch's step; ``step.epoch == trainer.current_epoch``
 is checked there.
 
-Scalars go to every logger at ``trainer.fit_loop.epoch_loop._batches_that_stepped``: the
-step Lightning's ``self.log`` (the module's ``train/*``) and its own ``LearningRateMonitor``
-use, so all curves share one x-axis. (``trainer.global_step`` counts optimizer steps; a
-module that also steps another optimizer through Lightning would move it off that axis.)
+Scalars go to every logger at Lightning's logging step (``trace_lightning.logs``), so all
+curves share one x-axis with the module's ``train/*``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -26,6 +23,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from callbacks._stats import StepSummary, merge_summaries, summarize_step
+from trace_lightning.logs import log_scalars, log_step  # noqa: F401 - the callbacks' own
 
 if TYPE_CHECKING:
     from trace_lightning.collect import RolloutStep
@@ -94,21 +92,6 @@ class RolloutCallback(pl.Callback):
 
 def tensorboard_logger(trainer: pl.Trainer) -> TensorBoardLogger | None:
     return next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-
-
-def log_step(trainer: pl.Trainer) -> int:
-    """The x-axis of Lightning's own ``self.log`` calls (see the module docstring)."""
-    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-
-
-def log_scalars(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-    """Finite values to every logger, on global rank 0; NaN/inf (undefined) are left out."""
-    metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
-    if not metrics or not trainer.is_global_zero:
-        return
-    step = log_step(trainer)
-    for lg in trainer.loggers:
-        lg.log_metrics(metrics, step=step)
 
 
 def current_step(trainer: pl.Trainer, dm: RolloutData, who: str) -> RolloutStep | None:

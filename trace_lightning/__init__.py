@@ -20,6 +20,7 @@ Layout (one small module per idea):
     packing      token-budget micro-batches
     collect      one RL step: candidates -> allocation -> trees -> sequences
     collectives  gathers and broadcast across ranks (module and data module)
+    logs         scalars straight to the loggers at Lightning's step (once per RL step)
     data         TraceDataModule (rollouts each epoch); data_config: its typed sections
     validation   validation rows (QA scores per trajectory), sampled afresh each pass
     module       TraceModule (policy + predictor, the update)

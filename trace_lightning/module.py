@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from trace_lightning.advantage import AdvantageKind
 from trace_lightning.collect import RolloutStep
 from trace_lightning.collectives import all_gather_batch, all_gather_list
+from trace_lightning.logs import log_scalars
 from trace_lightning.engines.sync import sync_weights
 from trace_lightning.history import PromptHistory
 from trace_lightning.loss import policy_loss, predicting_rows, row_logprobs, rows_to_tokens
@@ -296,6 +297,8 @@ class TraceModule(L.LightningModule):
                                               generator=gen, holdout=h.predictor_holdout)
         if self.history is not None:
             self._predictor_stats["predictor/history_prompts"] = float(len(self.history))
+        if self._trainer is not None:  # once per RL step (self.log would repeat it per step)
+            log_scalars(self.trainer, self._predictor_stats)
 
     # ---- training -----------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -367,8 +370,6 @@ class TraceModule(L.LightningModule):
         metrics.update({"train/loss": total_loss, "train/grad_norm": float(grad_norm),
                         "train/policy_tokens": tokens, "train/ratio_max": ratio_max,
                         "train/lr": lr})
-        if batch_idx == 0:
-            metrics.update(self._predictor_stats)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return torch.tensor(total_loss)
 
