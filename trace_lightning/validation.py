@@ -55,11 +55,14 @@ class SampleOnIter(Sampler):
 
 
 def val_row(tree: RolloutTree, leaf: Node) -> dict:
-    """One trajectory's scores: EM, F1, reward, searches, a malformed last turn."""
+    """One trajectory's scores: EM, F1, reward, searches run, a malformed last turn.
+
+    A search the episode ended on (``max_turns``, or its observation would not fit) never
+    ran, and is not counted (as the rollout budget's ``tool_calls`` does not)."""
     turns = tree.path(leaf.id)[1:]
     return {"dataset": tree.dataset, "em": float(leaf.em or 0.0), "f1": float(leaf.f1 or 0.0),
             "reward": float(leaf.reward or 0.0),
-            "searches": float(sum(n.action == "search" for n in turns)),
+            "searches": float(sum(n.action == "search" and not n.finished for n in turns)),
             "malformed": float(leaf.action == "invalid")}
 
 
