@@ -95,10 +95,16 @@ def scalars(run_dir: Path, version: int = -1) -> tuple[dict[str, list[float]], f
 
 
 def _finished(out: Path, epochs: int) -> bool:
+    """Whether ``out`` holds a finished run of ``epochs`` epochs (one of fewer is rerun; one
+    of more is not this run: its checkpoint and per-epoch figures are another length's)."""
     runs = sorted((out / "tensorboard").glob("version_*"))
     if len(runs) < 2:
         return False
-    return len(scalars(out)[0].get(KEYS["acc"], [])) >= epochs
+    done = len(scalars(out)[0].get(KEYS["acc"], []))
+    if done > epochs:
+        raise SystemExit(f"{out} holds a run of {done} epochs and --epochs is {epochs}: pass "
+                         f"--out-dir for a new folder, or --fresh to replace that run")
+    return done == epochs
 
 
 def run(method: str, seed: int, args, root: Path) -> dict:
@@ -122,7 +128,7 @@ def run(method: str, seed: int, args, root: Path) -> dict:
     before = scalars(out, 0)[0][KEYS["acc"]][-1]
     s, wall_s = scalars(out)
     result = {"method": method, "seed": seed, "acc_before": before,
-              "acc": s[KEYS["acc"]][-args.epochs:],
+              "acc": s[KEYS["acc"]],
               **{k: s.get(v, []) for k, v in KEYS.items() if k != "acc"},
               "wall_s": wall_s}
     if args.final_samples:
@@ -146,10 +152,12 @@ def final_eval(out: Path, configs: list[str], common: list[str], samples: int) -
     return scalars(where)[0][KEYS["acc"]][-1]
 
 
-def budget_to_reach(acc: list[float], leaves: list[float], target: float) -> float | None:
-    """Leaves spent by the first evaluation at or above ``target`` (None: never)."""
-    spent = np.cumsum(leaves)
-    for a, b in zip(acc, spent):
+def budget_to_reach(acc_before: float, acc: list[float], leaves: list[float],
+                    target: float) -> float | None:
+    """Leaves spent by the first evaluation at or above ``target``, the one before RL (0
+    leaves) included (None: never)."""
+    spent = np.cumsum([0, *leaves])
+    for a, b in zip([acc_before, *acc], spent):
         if a >= target:
             return float(b)
     return None
@@ -237,7 +245,8 @@ def main(argv=None) -> dict:
     for m in methods:
         rs = [r for r in runs if r["method"] == m]
         r = summary[m]
-        r["budget_to_target"] = [budget_to_reach(x["acc"], x["leaves"], target) for x in rs]
+        r["budget_to_target"] = [budget_to_reach(x["acc_before"], x["acc"], x["leaves"], target)
+                                 for x in rs]
         r["budget_to_target_mean_curve"] = (
             budget_on_curve(r["acc_before"], r["acc_mean"],
                             [r["leaves_per_step"]] * args.epochs, target)

@@ -22,8 +22,10 @@ def bench():
 def test_budget_to_reach_is_the_first_evaluation_at_the_target(bench):
     # 100 leaves per epoch; 0.45 is first reached after epoch 3 (300 leaves), not at the
     # later and higher 0.47
-    assert bench.budget_to_reach([0.40, 0.44, 0.45, 0.43, 0.47], [100] * 5, 0.45) == 300.0
-    assert bench.budget_to_reach([0.40, 0.44], [100] * 2, 0.45) is None
+    assert bench.budget_to_reach(0.39, [0.40, 0.44, 0.45, 0.43, 0.47], [100] * 5, 0.45) == 300
+    assert bench.budget_to_reach(0.39, [0.40, 0.44], [100] * 2, 0.45) is None
+    # there before RL: no leaves needed (as on the mean curve, budget_on_curve)
+    assert bench.budget_to_reach(0.45, [0.40, 0.46], [100] * 2, 0.45) == 0.0
 
 
 def test_budget_on_curve_interpolates_between_evaluations(bench):
@@ -85,6 +87,25 @@ def test_final_eval_validates_the_fit_checkpoint_once(bench, tmp_path, monkeypat
     assert len(calls) == 1
     bench.final_eval(run, ["--config", "demo.yaml"], [], 4)
     assert len(calls) == 2 and "--data.val_samples=4" in calls[1]
+
+
+def test_a_finished_run_is_reused_only_at_its_own_length(bench, tmp_path):
+    """A run of 3 epochs (version_0 the validation before RL, version_1 the fit) is the run
+    for --epochs 3; for 4 it is unfinished (rerun); for 2 it is another run, and the script
+    stops instead of reading its last two epochs as epochs 1-2 (or deleting it)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "uniform_seed0"
+    _write_em(run, 0.40)
+    w = SummaryWriter(str(run / "tensorboard" / "version_1"))
+    for step, em in enumerate([0.41, 0.42, 0.43]):
+        w.add_scalar("val/demo_heldout/em", em, step)
+    w.close()
+    assert bench._finished(run, 3) and not bench._finished(run, 4)
+    with pytest.raises(SystemExit, match="holds a run of 3 epochs and --epochs is 2: pass "
+                                         "--out-dir for a new folder, or --fresh"):
+        bench._finished(run, 2)
+    assert run.exists()
 
 
 def test_without_uniform_the_target_is_asked_for_before_any_run(bench, monkeypatch):
