@@ -960,3 +960,41 @@ def test_validate_with_a_missing_checkpoint_path_fails_before_the_engine(demo_di
                                                 r"not exist"):
         main(["validate", *demo_args(demo_dir, tmp_path, 1),
               f"--ckpt_path={tmp_path / 'nope.ckpt'}"])
+    # not a checkpoint: a data file (Lightning's CLI unpickled it and advised
+    # weights_only=False), and a Hugging Face model directory (failed after the engine)
+    (tmp_path / "train.jsonl").write_text('{"question": "q", "answers": ["a"]}\n')
+    with pytest.raises(ValueError, match=r"--ckpt_path: .*train.jsonl does not load as a "
+                                         r"checkpoint .* give the .ckpt file or directory"):
+        main(["validate", *demo_args(demo_dir, tmp_path, 1),
+              f"--ckpt_path={tmp_path / 'train.jsonl'}"])
+    with pytest.raises(ValueError, match=r"--ckpt_path: .*model is a Hugging Face model "
+                                         r"directory, not a Lightning checkpoint: train from "
+                                         r"its weights with --model.policy_path"):
+        main(["validate", *demo_args(demo_dir, tmp_path, 1),
+              f"--ckpt_path={demo_dir / 'model'}"])
+
+
+def test_a_checkpoint_path_keeps_the_settings_given_and_names_those_that_differ(
+        demo_dir, tmp_path, caplog):
+    """With ``--ckpt_path <file>`` Lightning's CLI replaced every --model.* value by the
+    checkpoint's, silently (``last`` kept them); the settings given are used either way, a
+    warning lists those that differ, a fit with no epoch left says so, and a predictor of
+    another shape is named before its weights fail to load."""
+    main(["fit", *demo_args(demo_dir, tmp_path, 1, "--model.lr=1e-3")])
+    (ckpt,) = tmp_path.rglob("last*.ckpt")
+    caplog.set_level("WARNING", logger="trace_lightning.cli")
+    out = cli(["fit", *demo_args(demo_dir, tmp_path, 1, "--model.lr=1e-5"),
+               f"--ckpt_path={ckpt}"])
+    assert out.model.hparams.lr == 1e-5
+    assert "--model.lr: 1e-05 (the checkpoint's: 0.001)" in caplog.text
+    assert "the checkpoint already trained 1 epoch(s) and --trainer.max_epochs is 1" in \
+        caplog.text
+    saved = torch.load(ckpt, weights_only=False, mmap=True)["global_step"]
+    assert out.trainer.global_step == saved == 2  # the checkpoint's: nothing trained
+    caplog.clear()
+    with pytest.raises(ValueError, match=r"--ckpt_path: the checkpoint's predictor does not "
+                                         r"fit this run's: predictor\..* --model."
+                                         r"predictor_hidden: use the settings of the run"):
+        main(["validate", *demo_args(demo_dir, tmp_path, 1, "--model.predictor_hidden=8"),
+              f"--ckpt_path={ckpt}"])
+    assert "--model.predictor_hidden: 8 (the checkpoint's: 128)" in caplog.text

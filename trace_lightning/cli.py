@@ -10,6 +10,12 @@ weights. ``validate`` without one is an error; ``fit`` without one starts from s
 With several processes, each resolves it in its own file system and the datamodule's setup
 checks that all found the same checkpoint (``TraceDataModule.expect_checkpoint``).
 
+The configuration as given is the run's, with ``last`` or a path alike (Lightning's CLI
+would replace every ``--model.*`` value by the checkpoint's when the path is a file, and
+silently); settings that differ from the checkpoint's are listed in a warning, and a
+``fit`` from a checkpoint that already trained ``--trainer.max_epochs`` epochs says so
+before the engine starts.
+
 ``main(args)`` takes the argument list so tests can run the CLI in-process; ``cli(args)``
 does the same and returns the ``LightningCLI`` object.
 """
@@ -17,6 +23,7 @@ does the same and returns the ``LightningCLI`` object.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 from pathlib import Path
@@ -30,6 +37,7 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from callbacks._common import RolloutCallback  # noqa: E402
 from trace_lightning.data import TraceDataModule  # noqa: E402
+from trace_lightning.export import checkpoint_meta  # noqa: E402
 from trace_lightning.module import TraceModule  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -47,6 +55,11 @@ class TraceCLI(LightningCLI):
         # one source for values that data and model share
         parser.link_arguments("model.policy_path", "data.policy_path")
         parser.link_arguments("model.advantage", "data.advantage")
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's replaces the parsed ``--model.*`` values by a checkpoint file's
+        hyper-parameters (not ``last``'s, resolved later); here the configuration as given
+        wins either way, and ``_resolve_checkpoint`` lists where it differs."""
 
     def before_fit(self) -> None:
         # the callbacks' own setup checks would run only after the datamodule's prepare_data
@@ -82,6 +95,48 @@ class TraceCLI(LightningCLI):
                 log.info("--ckpt_path last: %s", found)
             path = config["ckpt_path"] = None if found is None else str(found)
         self.datamodule.expect_checkpoint(path, error)
+        if path is not None and error is None:
+            self._compare_with_checkpoint(path)
+
+    def _compare_with_checkpoint(self, path: str) -> None:
+        """Warn where the model's settings differ from the checkpoint's, and when a ``fit``
+        has no epoch left to train. A path that does not read as a checkpoint is left to the
+        datamodule's setup, which fails on it (on every process)."""
+        try:
+            meta = checkpoint_meta(path)
+        except (OSError, ValueError):
+            return
+        differ = setting_differences(dict(self.model.hparams), meta.get("hyper_parameters"))
+        if differ:
+            log.warning("--ckpt_path %s: these settings differ from the checkpoint's, and the "
+                        "values given here are used (the weights, optimizer state and step "
+                        "count come from the checkpoint; a setting that shapes the model "
+                        "must match it, or the weights will not load):\n  %s",
+                        path, "\n  ".join(differ))
+        done = trained_epochs(meta)
+        max_epochs = self.trainer.max_epochs
+        if self.subcommand == "fit" and max_epochs not in (None, -1) and done >= max_epochs:
+            log.warning("--ckpt_path %s: the checkpoint already trained %d epoch(s) and "
+                        "--trainer.max_epochs is %d, so this fit trains nothing; raise "
+                        "--trainer.max_epochs to train further", path, done, max_epochs)
+
+
+def setting_differences(given: dict, saved: dict | None) -> list[str]:
+    """``--model.<key>: <given> (the checkpoint's: <saved>)`` for each hyper-parameter both
+    hold with different values (compared as JSON: a tuple equals its list)."""
+    def plain(v):
+        return json.loads(json.dumps(v, default=str))
+
+    return [f"--model.{k}: {plain(given[k])!r} (the checkpoint's: {plain(v)!r})"
+            for k, v in (saved or {}).items()
+            if not k.startswith("_") and k in given and plain(given[k]) != plain(v)]
+
+
+def trained_epochs(meta: dict) -> int:
+    """Epochs whose training the checkpoint's run finished (its fit loop's processed
+    epochs; 0 if it holds no loop state)."""
+    progress = meta.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {})
+    return int(progress.get("current", {}).get("processed", 0))
 
 
 def last_checkpoint(trainer: Trainer) -> tuple[Path | None, list[str]]:

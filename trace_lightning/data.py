@@ -34,6 +34,7 @@ from trace_lightning.data_config import DemoConfig, EngineConfig, EnvConfig, Eva
 from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines.base import SamplingConfig
 from trace_lightning.environment import SEARCH_R1_INSTRUCTION, SearchEnvironment
+from trace_lightning.export import checkpoint_meta
 from trace_lightning.hub import local_model_dir
 from trace_lightning.packing import (collate, equalise_over_ranks, pack_microbatches,
                                      split_minibatches)
@@ -355,6 +356,11 @@ class TraceDataModule(L.LightningDataModule):
             raise FileNotFoundError(f"--ckpt_path: checkpoint {path!r} does not exist on this "
                                     f"process's file system; give the path of a .ckpt file "
                                     f"(or a sharded checkpoint's folder) every process sees")
+        if local:
+            try:
+                checkpoint_meta(path)  # a Lightning checkpoint (read without its tensors)
+            except ValueError as e:
+                raise ValueError(f"--ckpt_path: {e}") from None
 
     def _check_val_limit(self) -> None:
         """No share of the validation batches (``--trainer.limit_val_batches`` 0.1): a pass

@@ -193,30 +193,47 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The module state dict and the hyper-parameters of a Lightning checkpoint: a file, or a
     sharded FSDP directory (``meta.pt`` + ``*.distcp``), read on this process alone."""
     path = Path(ckpt)
+    data = checkpoint_meta(path)
+    if path.is_file():
+        data = _torch_load(path)  # the tensors too
+        return data["state_dict"], data.get("hyper_parameters", {})
+    return _read_sharded_model(path), data.get("hyper_parameters", {})
+
+
+def checkpoint_meta(ckpt: str | Path) -> dict:
+    """A Lightning checkpoint's contents without reading its tensors (a file memory-mapped;
+    a sharded directory's ``meta.pt``: loops, epoch, ``hyper_parameters``). What is not a
+    checkpoint Lightning wrote is a ValueError naming the path and what to give instead."""
+    path = Path(ckpt)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist; runs write it under "
                                 f"<default_root_dir>/tensorboard/version_N/checkpoints/")
     if path.is_file():
-        data = _torch_load(path)
+        data = _torch_load(path, mmap=True)
         if "state_dict" not in data:
             raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict'); give "
                              f"the .ckpt file or directory Lightning wrote")
-        return data["state_dict"], data.get("hyper_parameters", {})
+        return data
+    if (path / "config.json").exists():
+        raise ValueError(f"{path} is a Hugging Face model directory, not a Lightning "
+                         f"checkpoint: train from its weights with --model.policy_path {path} "
+                         f"(no --ckpt_path), or give the .ckpt file or directory Lightning "
+                         f"wrote")
     meta_file = path / "meta.pt"
     if not meta_file.exists():
         raise ValueError(f"{path} is a directory without meta.pt: not a sharded Lightning "
                          f"checkpoint; give the .ckpt file or directory Lightning wrote")
-    meta = _torch_load(meta_file)
-    return _read_sharded_model(path), meta.get("hyper_parameters", {})
+    return _torch_load(meta_file)
 
 
-def _torch_load(path: Path) -> dict:
-    """``torch.load`` of a checkpoint file; one that does not load, or holds no dict, is a
-    ValueError naming the file (torch's own errors name neither it nor the fix)."""
+def _torch_load(path: Path, mmap: bool = False) -> dict:
+    """``torch.load`` of a checkpoint file (``mmap``: its tensors mapped, not read); one that
+    does not load, or holds no dict, is a ValueError naming the file (torch's own errors
+    name neither it nor the fix)."""
     try:
         # a trace-lightning checkpoint holds the DataModule's numpy RNG state, which
         # weights_only loading refuses: load only checkpoints you wrote yourself
-        data = torch.load(path, map_location="cpu", weights_only=False)
+        data = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # unpickling garbage raises nearly anything: ValueError,
         # UnpicklingError, EOFError, AttributeError; a cut-off zip a RuntimeError
         raise ValueError(f"{path} does not load as a checkpoint ({_reason(e)}); it is damaged, "

@@ -446,6 +446,16 @@ class TraceModule(L.LightningModule):
         # (FSDP restores after on_fit_start, into the float32 predictor: nothing to redo)
         # (FSDP's strategy consumes "state_dict" itself when validating: nothing to redo)
         prefix = "predictor."
+        mine = {prefix + k: tuple(v.shape) for k, v in self.predictor.state_dict().items()}
+        wrong = [f"{k} {tuple(v.shape)} (this run's: {mine[k]})"
+                 for k, v in checkpoint.get("state_dict", {}).items()
+                 if k in mine and tuple(v.shape) != mine[k]]
+        if wrong:
+            raise ValueError(
+                f"--ckpt_path: the checkpoint's predictor does not fit this run's: "
+                f"{', '.join(wrong[:3])}; its input width is the featuriser's "
+                f"(--model.featuriser) and its hidden width --model.predictor_hidden: use "
+                f"the settings of the run that wrote the checkpoint")
         if next(self.predictor.parameters()).dtype != torch.float32:
             self._predictor_restore = {k[len(prefix):]: v.clone() for k, v in
                                        checkpoint.get("state_dict", {}).items()
