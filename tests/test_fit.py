@@ -384,6 +384,33 @@ def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message,
     assert not (tmp_path / "tensorboard").exists()  # nothing ran
 
 
+@pytest.mark.parametrize("override, message", [
+    ("--data.allocator.roots=0",
+     "--data.allocator.roots (0) must be >= 2: a prompt needs two rollouts for any contrast"),
+    ("--data.env.topk=0", "--data.env.topk (0) must be >= 1"),
+])
+def test_a_bad_value_in_an_optional_section_is_its_own_error(demo_dir, tmp_path, override,
+                                                             message):
+    """A section typed ``X | None`` fails in ``X``'s constructor, which jsonargparse wrapped
+    as "Does not validate against any of the Union subtypes" with the message in the middle
+    of the section's dump; the error is the constructor's own message."""
+    with pytest.raises(ValueError) as err:
+        main(["fit", *demo_args(demo_dir, tmp_path, 1), override])
+    assert str(err.value) == message
+
+
+def test_union_error_unwraps_only_a_single_real_error():
+    from trace_lightning.cli import union_error
+
+    wrapped = ("Does not validate against any of the Union subtypes\nSubtypes: [A, None]\n"
+               "Errors:\n  - {}\n  - Expected a <class 'NoneType'>\nGiven value type: x\n"
+               "Given value: Namespace(a=1)")
+    assert union_error(wrapped.format("a (0) must be >= 1")) == "a (0) must be >= 1"
+    assert union_error(wrapped.replace("Expected a <class 'NoneType'>", "b is wrong")
+                       .format("a (0) must be >= 1")) is None  # two: left as it is
+    assert union_error("a (0) must be >= 1") is None
+
+
 @pytest.mark.parametrize("logger, message", [
     ("false", "callbacks.RewardVariance logs metrics but the trainer has no logger"),
     ("lightning.pytorch.loggers.CSVLogger",

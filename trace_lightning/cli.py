@@ -61,6 +61,19 @@ class TraceCLI(LightningCLI):
         hyper-parameters (not ``last``'s, resolved later); here the configuration as given
         wins either way, and ``_resolve_checkpoint`` lists where it differs."""
 
+    def instantiate_classes(self) -> None:
+        """Lightning's, with a section's own error unwrapped: a bad value in a section typed
+        ``X | None`` (``--data.allocator.roots=0``) fails in ``X``'s constructor, and
+        jsonargparse reports it as "Does not validate against any of the Union subtypes",
+        with the constructor's message in the middle of the config's dump."""
+        try:
+            super().instantiate_classes()
+        except ValueError as e:
+            inner = union_error(str(e))
+            if inner is None:
+                raise
+            raise ValueError(inner) from None
+
     def before_fit(self) -> None:
         # the callbacks' own setup checks would run only after the datamodule's prepare_data
         # and setup (a demo world, a retrieval index, an engine): say what is missing first
@@ -119,6 +132,17 @@ class TraceCLI(LightningCLI):
             log.warning("--ckpt_path %s: the checkpoint already trained %d epoch(s) and "
                         "--trainer.max_epochs is %d, so this fit trains nothing; raise "
                         "--trainer.max_epochs to train further", path, done, max_epochs)
+
+
+def union_error(message: str) -> str | None:
+    """The one real error of jsonargparse's "Does not validate against any of the Union
+    subtypes" (the others: "Expected a <class 'NoneType'>"), or None for another message."""
+    if not message.startswith("Does not validate against any of the Union subtypes"):
+        return None
+    head, _, rest = message.partition("\nErrors:\n")
+    errors = [line[len("  - "):] for line in rest.split("\nGiven value")[0].splitlines()
+              if line.startswith("  - ") and "Expected a <class 'NoneType'>" not in line]
+    return errors[0] if len(errors) == 1 else None
 
 
 def setting_differences(given: dict, saved: dict | None) -> list[str]:
