@@ -190,6 +190,28 @@ def test_fit_decreases_weighted_loss_on_separable_set():
     assert weighted_squared_error(p, y, w).item() == pytest.approx(stats["predictor/loss"])
 
 
+def test_a_diverging_fit_names_the_flag_and_leaves_the_predictor_as_it_was():
+    """Without a held-out share nothing catches a fit that blows up (here an infinite lr):
+    the error names --model.predictor_lr, and the predictor and its optimizer are as
+    before the fit (a bare assert said "predictor loss is not finite")."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=gen)  # (N, D)
+    y = (x[:, 0] > 0).float()  # (N,)
+    buf = ReplayBuffer(max_steps=1)
+    buf.add(PredictorBatch(x, torch.zeros(64, dtype=torch.long), y, torch.ones(64),
+                           torch.arange(64)))
+    pred = SuccessPredictor(6, hidden=16)
+    opt = torch.optim.SGD(pred.parameters(), lr=float("inf"))
+    weights = copy.deepcopy(pred.state_dict())
+    with pytest.raises(FloatingPointError, match=r"the predictor's fit diverged: its loss "
+                                                 r"over the replay is nan after 2 updates at "
+                                                 r"learning rate inf \(--model.predictor_lr"
+                                                 r"\).* Lower --model.predictor_lr"):
+        fit_predictor(pred, opt, buf, epochs=1, batch_size=32, generator=gen, holdout=0.0)
+    for k, v in pred.state_dict().items():
+        torch.testing.assert_close(v, weights[k], atol=0, rtol=0)
+
+
 def test_a_fit_that_beats_nothing_leaves_the_predictor_as_it_was():
     """Each fit first standardises the features on the replay; when no pass beats the
     predictor as it was (here: no pass at all), it keeps its old standardisation too, so its

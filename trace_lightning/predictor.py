@@ -276,6 +276,7 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
     best = loss_on(held) if n_held else math.inf
     best_state, kept = copy.deepcopy(predictor.state_dict()), 0
     best_moments = copy.deepcopy(optimizer.state_dict())  # restored with the weights
+    start_state, start_moments = best_state, best_moments  # (best_* are replaced, not changed)
     predictor.set_normalisation(feats)
     was_training = predictor.training
     updates = 0
@@ -306,7 +307,14 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
         optimizer.load_state_dict(best_moments)
     predictor.train(was_training)
     after = loss_on()
-    assert math.isfinite(after), "predictor loss is not finite"
+    if not math.isfinite(after):
+        lr = optimizer.param_groups[0]["lr"]
+        predictor.load_state_dict(start_state)
+        optimizer.load_state_dict(start_moments)
+        raise FloatingPointError(
+            f"the predictor's fit diverged: its loss over the replay is {after} after "
+            f"{updates} updates at learning rate {lr} (--model.predictor_lr); the predictor "
+            f"is left as it was before the fit. Lower --model.predictor_lr")
     out = {"predictor/loss_before": before, "predictor/loss": after,
            "predictor/epochs_kept": float(kept), "predictor/entries": float(n),
            "predictor/updates": float(updates)}
