@@ -844,7 +844,9 @@ args = json.loads(sys.argv[3])
 root = out / f"node_{os.environ['RANK']}"
 if os.environ["RANK"] == "0":
     (root / "tensorboard" / "version_0" / "checkpoints").mkdir(parents=True)
-    (root / "tensorboard" / "version_0" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    import torch  # a checkpoint's form (setup reads it as one before the processes agree)
+    torch.save({"state_dict": {}}, root / "tensorboard" / "version_0" / "checkpoints" /
+               "last.ckpt")
 main(["fit", *args, f"--trainer.default_root_dir={root}",
       f"--trainer.logger.init_args.save_dir={root}", "--trainer.devices=2",
       "--trainer.strategy=ddp", "--ckpt_path=last"])
