@@ -79,6 +79,74 @@ def test_malformed_lines_are_named(tmp_path, bad_line, message):
         load_qa(path)
 
 
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])
+def test_bad_json_column_is_on_line_1_of_the_record(tmp_path, ending):
+    """json's message is about the line alone: parsed with its line ending, the missing "}"
+    was reported at "line 2 column 1"; the file's own line number stays in front."""
+    bad = '{"id": "2", "question": "Q?", "answers": ["a"]'  # 46 characters, no closing brace
+    path = tmp_path / "dev.jsonl"
+    path.write_bytes(ending.join(['{"id": "1", "question": "Q?", "answers": ["a"]}', "", bad,
+                                  ""]).encode())
+    with pytest.raises(ValueError, match=r"dev\.jsonl:3 is not JSON \(Expecting ',' delimiter: "
+                                         r"line 1 column 47 \(char 46\)\); each line must"):
+        load_qa(path)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_an_empty_file_says_it_is_empty(tmp_path, content):
+    """Not "holds 0 training questions ... lower --data.allocator.roots" later, in setup:
+    no number of roots is small enough for a file without records."""
+    path = tmp_path / "train.jsonl"
+    path.write_text(content)
+    shown = "0 bytes" if not content else "only blank lines"
+    with pytest.raises(ValueError, match=rf"QA file .*train\.jsonl is empty \({shown}\): it has "
+                                         rf"no question to load; point the flag that names it "
+                                         rf"\(--data\.train, or a set's path in --data\.val\)"):
+        load_qa(path)
+    with pytest.raises(ValueError, match="is empty"):
+        load_qa(path, limit=5)
+    assert load_qa(path, limit=0) == []  # asking for none is not an error (a disabled set)
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_array_file_says_how_to_convert_it(shared_data, tmp_path, indent):
+    """HotpotQA's official files are one JSON array, pretty-printed ("[" alone on line 1: not
+    JSON) or on one line (JSON, but a list): both say so, and the command given converts it."""
+    import re
+    import subprocess
+    import sys
+
+    lines = (shared_data / "nq" / "test_1k.jsonl").read_text().splitlines()[:2]
+    path = tmp_path / "hotpot_dev.json"
+    path.write_text(json.dumps([json.loads(line) for line in lines], indent=indent) + "\n")
+    with pytest.raises(ValueError, match=r"hotpot_dev\.json is one JSON array \(line 1 starts "
+                                         r"with '\['\), not JSON Lines \(one object per line\); "
+                                         r"convert it, e.g. `python -c ") as err:
+        load_qa(path)
+    assert "is not JSON" not in str(err.value) and "is a JSON list" not in str(err.value)
+    command = re.search(r"`python (.*)`", str(err.value)).group(1)
+    subprocess.run(f"{sys.executable} {command}", shell=True, check=True, cwd=tmp_path)
+    converted = load_qa(tmp_path / "hotpot_dev.jsonl")
+    assert [e.id for e in converted] == ["nq_test_3283", "nq_test_946"]
+
+
+def test_a_json_array_named_jsonl_is_not_converted_onto_itself(tmp_path):
+    path = tmp_path / "dev.jsonl"
+    path.write_text('[\n  {"id": "1", "question": "Q?", "answers": ["a"]}\n]\n')
+    with pytest.raises(ValueError, match=r"dev\.jsonl > \S*dev\.lines\.jsonl`, and pass "):
+        load_qa(path)
+
+
+@pytest.mark.parametrize("first_line", ['["a", "b"]', "[1, 2]"])
+def test_a_first_line_that_is_a_list_of_non_objects_is_a_json_list(tmp_path, first_line):
+    """Only a list of objects reads as a JSON array of records; any other non-object keeps
+    the line's own message."""
+    path = tmp_path / "dev.jsonl"
+    write_jsonl(path, [first_line])
+    with pytest.raises(ValueError, match=r"dev\.jsonl:1 is a JSON list, not an object"):
+        load_qa(path)
+
+
 def test_a_line_that_is_not_utf8_is_named(tmp_path):
     path = tmp_path / "dev.jsonl"
     path.write_bytes(b'{"id": "1", "question": "Q?", "answers": ["a"]}\n\n'

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,9 +93,24 @@ def _parse(record: object, where: str, dataset: str) -> QAExample:
                      supporting_titles=_supporting_titles(record))
 
 
+def _json_array_message(path: Path, line_no: int) -> str:
+    """Why a file that is one JSON array (HotpotQA's official ``[{...}, ...]``) is refused."""
+    out = path.with_suffix(".jsonl")
+    if out == path:  # never suggest redirecting onto the file being read
+        out = path.with_name(f"{path.stem}.lines.jsonl")
+    return (f"{path} is one JSON array (line {line_no} starts with '['), not JSON Lines (one "
+            f"object per line); convert it, e.g. `python -c \"import json,sys; "
+            f"[print(json.dumps(r)) for r in json.load(open(sys.argv[1]))]\" "
+            f"{shlex.quote(str(path))} > {shlex.quote(str(out))}`, and pass {out}; {_SCHEMA}")
+
+
 def load_qa(path: str | os.PathLike, dataset: str | None = None,
             limit: int | None = None) -> list[QAExample]:
     """Read a QA JSONL (our schema or FlashRAG's), in file order; blank lines are skipped.
+
+    A file with no record at all is a ValueError that says it is empty, and one that is a
+    single JSON array (HotpotQA's official ``[{...}, ...]``, on one line or pretty-printed) one
+    that says how to convert it to JSON Lines.
 
     Integer answers become strings (``8`` -> ``"8"``); any other number is a ValueError
     (JSON's ``2.50`` reads as ``2.5``: the gold answer would change). Questions none of whose
@@ -124,10 +140,15 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
         return examples
     for line_no, line in jsonl_lines(path):
         where = f"{path}:{line_no}"
+        first = not first_line
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
+            if first and line.lstrip().startswith("["):
+                raise ValueError(_json_array_message(path, line_no)) from None
             raise ValueError(f"{where} is not JSON ({e}); {_SCHEMA}") from None
+        if first and isinstance(record, list) and all(isinstance(r, dict) for r in record):
+            raise ValueError(_json_array_message(path, line_no))  # a one-line [{...}, ...]
         example = _parse(record, where, fallback)
         if example.id in first_line:
             raise ValueError(f"{where} repeats id {example.id!r} of line "
@@ -139,6 +160,11 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
             unscorable.append(example.id)
         if limit is not None and len(examples) >= limit:
             break  # lines after the last one wanted are not read
+    if not examples:  # limit 0 returned above: the file has no record at all
+        content = "0 bytes" if path.stat().st_size == 0 else "only blank lines"
+        raise ValueError(f"QA file {path} is empty ({content}): it has no question to load; "
+                         f"point the flag that names it (--data.train, or a set's path in "
+                         f"--data.val) at a QA JSONL with records, {_SCHEMA}")
     if unscorable:
         more = f" and {len(unscorable) - 3} more" if len(unscorable) > 3 else ""
         log.warning("%s: %d question(s) have no answer that survives answer normalisation "

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """``(line number, text)`` of each non-blank line of ``path``, decoded as UTF-8.
+    """``(line number, text)`` of each non-blank line of ``path``, decoded as UTF-8, without
+    its line ending (so a JSON error's column is on the record's own line 1).
 
     Decoded line by line (not by the file object's buffer), so a line that is not UTF-8 (a
     Latin-1 export) is a ValueError naming the file and the line, not a ``UnicodeDecodeError``
@@ -34,4 +35,4 @@ def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
             if line_no == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark (Windows editors)
             if line.strip():
-                yield line_no, line
+                yield line_no, line.rstrip("\r\n")
