@@ -1003,6 +1003,26 @@ def test_validate_with_a_missing_checkpoint_path_fails_before_the_engine(demo_di
               f"--ckpt_path={demo_dir / 'model'}"])
 
 
+@pytest.mark.parametrize("flag", ["--trainer.default_root_dir",
+                                  "--trainer.logger.init_args.save_dir", "--data.trees_dir"])
+def test_an_output_folder_that_cannot_be_written_fails_before_any_work(demo_dir, tmp_path,
+                                                                      monkeypatch, flag):
+    """Each failed with a bare OSError: the logger's at the first log and --data.trees_dir
+    at the first write, both after the first epoch's rollouts."""
+    from trace_lightning.data import TraceDataModule
+
+    def no_work(*a, **k):
+        raise AssertionError("the data module prepared data before the folders were checked")
+
+    monkeypatch.setattr(TraceDataModule, "prepare_data", no_work)
+    (tmp_path / "a_file").write_text("")
+    bad = tmp_path / "a_file" / "out"
+    with pytest.raises(NotADirectoryError, match=rf"{re.escape(flag)}.*\({re.escape(str(bad))}"
+                                                 rf"\) is not a folder this run can write into "
+                                                 rf"\(Not a directory: .*\); give a writable"):
+        main(["fit", *demo_args(demo_dir, tmp_path, 1), f"{flag}={bad}"])
+
+
 def test_a_checkpoint_path_keeps_the_settings_given_and_names_those_that_differ(
         demo_dir, tmp_path, caplog):
     """With ``--ckpt_path <file>`` Lightning's CLI replaced every --model.* value by the

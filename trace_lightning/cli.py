@@ -80,10 +80,27 @@ class TraceCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, RolloutCallback):
                 callback.check(self.trainer, self.datamodule)
+        self._check_output_dirs()
         self._resolve_checkpoint(required=False)
 
     def before_validate(self) -> None:
+        self._check_output_dirs()
         self._resolve_checkpoint(required=True)
+
+    def _check_output_dirs(self) -> None:
+        """Every folder the run writes into can be written, before any work: the loggers'
+        and checkpoints' would fail at the first log, after the first epoch's rollouts, and
+        ``--data.trees_dir`` after them too, each with a bare ``OSError``."""
+        trainer = self.trainer
+        dirs = [("--trainer.default_root_dir", trainer.default_root_dir)]
+        dirs += [(f"--trainer.logger.init_args.save_dir ({type(lg).__name__})", lg.save_dir)
+                 for lg in trainer.loggers if lg.save_dir]
+        dirs += [("ModelCheckpoint's dirpath", cb.dirpath) for cb in trainer.checkpoint_callbacks
+                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        if self.subcommand == "fit" and self.datamodule.trees_dir:
+            dirs.append(("--data.trees_dir", self.datamodule.trees_dir))
+        for flag, path in dirs:
+            check_output_dir(path, flag)
 
     def _resolve_checkpoint(self, required: bool) -> None:
         """Replace ``--ckpt_path last`` by the path of the newest last checkpoint, and tell
@@ -132,6 +149,23 @@ class TraceCLI(LightningCLI):
             log.warning("--ckpt_path %s: the checkpoint already trained %d epoch(s) and "
                         "--trainer.max_epochs is %d, so this fit trains nothing; raise "
                         "--trainer.max_epochs to train further", path, done, max_epochs)
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> None:
+    """``path`` is a folder this process can write into (created if missing, as the run
+    would); otherwise an OSError naming ``flag``, the path and why. Tried by writing, since
+    permissions say little to root or on special file systems."""
+    import tempfile
+
+    where = Path(path)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        raise type(e)(e.errno, f"{flag} ({path}) is not a folder this run can write into "
+                               f"({e.strerror}: {e.filename}); give a writable folder",
+                      ) from None
 
 
 def union_error(message: str) -> str | None:
