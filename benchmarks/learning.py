@@ -32,6 +32,13 @@ against sampling budget per method (the mean over seeds, shaded +- its standard 
     python benchmarks/learning.py --final-samples 16  # + each final policy on 200 x 16 rollouts
     python benchmarks/learning.py --methods uniform,trace,oracle  # + the upper bound
                                                     # (configs/demo_oracle.yaml)
+    python benchmarks/learning.py --held-in 200     # + accuracy on 200 training-world
+                                                    # questions (what RL trains on)
+
+``--held-in N`` adds a second evaluation, on the first N questions of the training world
+(``val/demo_heldin/em``; candidates are drawn from all its questions, so these are ones
+the policy trains on): whether a method learns its own prompts faster, apart from how that
+carries over to the held-out world.
 
 Ends with one JSON line.
 """
@@ -52,7 +59,7 @@ import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ["uniform", "random_tree", "prompt", "trace"]
-KEYS = {"acc": "val/demo_heldout/em", "effective": "rollout/effective_ratio",
+KEYS = {"acc": "val/demo_heldout/em", "acc_in": "val/demo_heldin/em", "effective": "rollout/effective_ratio",
         "informative": "rollout/informative_leaf_share", "leaves": "alloc/leaves",
         "tokens": "alloc/generated_tokens", "epoch_s": "perf/epoch_s"}
 
@@ -78,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="evaluate each run's last checkpoint again with this many samples per "
                         "held-out question (0: off)")
     p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
+    p.add_argument("--held-in", type=int, default=0,
+                   help="also evaluate on this many training-world questions (0: off)")
     return p.parse_args(argv)
 
 
@@ -114,6 +123,9 @@ def run(method: str, seed: int, args, root: Path) -> dict:
         configs += ["--config", str(REPO / "configs" / f"demo_{method}.yaml")]
     val = [{"name": "demo_heldout", "path": "runs/demo/world/eval_qa.jsonl",
             "corpus": "runs/demo/world/eval_corpus.jsonl", "limit": args.val_limit}]
+    if args.held_in:
+        val.append({"name": "demo_heldin", "path": "runs/demo/world/train_qa.jsonl",
+                    "corpus": "runs/demo/world/train_corpus.jsonl", "limit": args.held_in})
     common = [f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
               f"--seed_everything={seed}", f"--data.seed={seed}",
               f"--data.allocator.seed={seed}", f"--data.val={json.dumps(val)}", *args.extra]
@@ -125,9 +137,10 @@ def run(method: str, seed: int, args, root: Path) -> dict:
         subprocess.run([*cli, "validate", *configs, *common], check=True, cwd=REPO)
         subprocess.run([*cli, "fit", *configs, *common, f"--trainer.max_epochs={args.epochs}"],
                        check=True, cwd=REPO)
-    before = scalars(out, 0)[0][KEYS["acc"]][-1]
+    before = scalars(out, 0)[0]
     s, wall_s = scalars(out)
-    result = {"method": method, "seed": seed, "acc_before": before,
+    result = {"method": method, "seed": seed, "acc_before": before[KEYS["acc"]][-1],
+              "acc_in_before": before.get(KEYS["acc_in"], [None])[-1],
               "acc": s[KEYS["acc"]],
               **{k: s.get(v, []) for k, v in KEYS.items() if k != "acc"},
               "wall_s": wall_s}
@@ -236,6 +249,13 @@ def main(argv=None) -> dict:
             "final_acc_per_seed": acc[:, -1].tolist(),
             "effective_per_seed": [float(np.mean(r["effective"])) for r in rs],
         }
+        if args.held_in:
+            acc_in = np.array([r["acc_in"] for r in rs])  # (seeds, epochs)
+            summary[m].update({
+                "held_in_before": float(np.mean([r["acc_in_before"] for r in rs])),
+                "held_in_acc_mean": acc_in.mean(0).tolist(),
+                "held_in_final_per_seed": acc_in[:, -1].tolist(),
+                "held_in_mean_per_seed": acc_in.mean(1).tolist()})
         if args.final_samples:
             summary[m]["final_eval_per_seed"] = [r["acc_final_eval"] for r in rs]
             summary[m]["final_eval_acc"] = float(np.mean(summary[m]["final_eval_per_seed"]))
@@ -267,6 +287,11 @@ def main(argv=None) -> dict:
                     "final_acc": paired(r["final_acc_per_seed"], u["final_acc_per_seed"]),
                     "mean_acc": paired(r["mean_acc_per_seed"], u["mean_acc_per_seed"]),
                     "effective_ratio": paired(r["effective_per_seed"], u["effective_per_seed"])}
+                if args.held_in:
+                    r["vs_uniform"]["held_in_final"] = paired(r["held_in_final_per_seed"],
+                                                              u["held_in_final_per_seed"])
+                    r["vs_uniform"]["held_in_mean"] = paired(r["held_in_mean_per_seed"],
+                                                             u["held_in_mean_per_seed"])
                 if args.final_samples:
                     r["vs_uniform"]["final_eval"] = paired(r["final_eval_per_seed"],
                                                            u["final_eval_per_seed"])
@@ -296,6 +321,15 @@ def main(argv=None) -> dict:
             print(f"{m:12s}{cells[0]:>24s}{cells[1]:>26s}{cells[2]:>24s}"
                   f"{'-' if b is None else f'{b:.0f}':>18s}"
                   f"{'-' if tok is None else f'{tok:.0f}':>18s}")
+    if args.held_in:
+        print(f"\ntraining-world accuracy ({args.held_in} questions), before RL and after each "
+              f"epoch (mean over seeds); vs uniform: final, and all-epoch mean")
+        for m, r in summary.items():
+            v = r.get("vs_uniform", {})
+            pairs = (f"  {fmt_paired(v['held_in_final'])}  {fmt_paired(v['held_in_mean'])}"
+                     if v else "")
+            print(f"{m:12s}{r['held_in_before']:.3f} | "
+                  f"{' '.join(f'{a:.3f}' for a in r['held_in_acc_mean'])}{pairs}")
     if args.final_samples:
         print(f"\nlast checkpoints again, {args.final_samples} samples per held-out question")
         print(f"{'method':12s}{'final acc':>11s}{'vs uniform':>24s}  per seed")

@@ -136,3 +136,29 @@ def test_budget_to_the_target_in_leaves_and_in_generated_tokens(bench, monkeypat
     assert result["methods"]["uniform"]["tokens_to_target_mean_curve"] == pytest.approx(20_000)
     assert result["trace_budget_over_uniform"] == pytest.approx(0.75)
     assert result["trace_tokens_over_uniform"] == pytest.approx(0.5625)
+
+
+def test_held_in_accuracy_is_summarised_and_paired(bench, monkeypatch, tmp_path):
+    """--held-in: training-world accuracy per epoch, mean over seeds, and paired with uniform:
+    seed 0 trace - uniform final 0.60 - 0.50 = +0.10, seed 1 0.52 - 0.54 = -0.02, so the mean
+    is +0.04, one seed ahead; all-epoch means (0.55, 0.51) - (0.48, 0.52): +0.07, -0.01."""
+    acc_in = {("uniform", 0): [0.46, 0.50], ("uniform", 1): [0.50, 0.54],
+              ("trace", 0): [0.50, 0.60], ("trace", 1): [0.50, 0.52]}
+
+    def fake_run(method, seed, args, root):
+        return {"method": method, "seed": seed, "acc_before": 0.40, "acc": [0.42, 0.44],
+                "acc_in_before": 0.45, "acc_in": acc_in[method, seed],
+                "effective": [0.4, 0.4], "informative": [0.4, 0.4], "leaves": [256, 256],
+                "tokens": [1.0, 1.0], "epoch_s": [1.0, 1.0], "wall_s": 2.0}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    result = bench.main(["--methods", "uniform,trace", "--seeds", "0,1", "--epochs", "2",
+                         "--held-in", "50", "--plot", str(tmp_path / "plot.png"),
+                         "--out-dir", str(tmp_path)])
+    trace = result["methods"]["trace"]
+    assert trace["held_in_acc_mean"] == pytest.approx([0.50, 0.56])
+    assert trace["held_in_before"] == pytest.approx(0.45)
+    final, mean = trace["vs_uniform"]["held_in_final"], trace["vs_uniform"]["held_in_mean"]
+    assert final["diff_per_seed"] == pytest.approx([0.10, -0.02]) and final["ahead"] == 1
+    assert final["mean"] == pytest.approx(0.04)
+    assert mean["diff_per_seed"] == pytest.approx([0.07, -0.01])
