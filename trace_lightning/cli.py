@@ -6,7 +6,9 @@
 ``--ckpt_path last`` means the newest ``last*.ckpt`` that a run with the same logger (or
 ``ModelCheckpoint.dirpath``) saved before, in any of its versions: each run logs to a new
 ``version_<N>``, where Lightning's own lookup would find nothing and quietly use the initial
-weights. ``validate`` without one is an error; ``fit`` without one starts from scratch.
+weights. ``validate --ckpt_path last`` that finds none is an error (``validate`` without
+``--ckpt_path`` scores ``--model.policy_path``); ``fit`` then starts from
+``--model.policy_path``.
 With several processes, each resolves it in its own file system and the datamodule's setup
 checks that all found the same checkpoint (``TraceDataModule.expect_checkpoint``).
 
