@@ -133,7 +133,9 @@ class TraceCLI(LightningCLI):
     def _compare_with_checkpoint(self, path: str) -> None:
         """Warn where the model's settings differ from the checkpoint's, and when a ``fit``
         has no epoch left to train. A path that does not read as a checkpoint is left to the
-        datamodule's setup, which fails on it (on every process)."""
+        datamodule's setup, which fails on it (on every process). Said by global rank 0."""
+        if not self.trainer.is_global_zero:
+            return
         try:
             meta = checkpoint_meta(path)
         except (OSError, ValueError):
@@ -175,7 +177,7 @@ def union_error(message: str) -> str | None:
     subtypes" (the others: "Expected a <class 'NoneType'>"), or None for another message."""
     if not message.startswith("Does not validate against any of the Union subtypes"):
         return None
-    head, _, rest = message.partition("\nErrors:\n")
+    rest = message.partition("\nErrors:\n")[2]
     errors = [line[len("  - "):] for line in rest.split("\nGiven value")[0].splitlines()
               if line.startswith("  - ") and "Expected a <class 'NoneType'>" not in line]
     return errors[0] if len(errors) == 1 else None
