@@ -90,9 +90,10 @@ class TraceCLI(LightningCLI):
         self._resolve_checkpoint(required=True)
 
     def _check_output_dirs(self) -> None:
-        """Every folder the run writes into can be written, before any work: the loggers'
-        and checkpoints' would fail at the first log, after the first epoch's rollouts, and
-        ``--data.trees_dir`` after them too, each with a bare ``OSError``."""
+        """Every folder the run writes into can be written (none is created), before any
+        work: the loggers' and checkpoints' would fail at the first log, after the first
+        epoch's rollouts, and ``--data.trees_dir`` after them too, each with a bare
+        ``OSError``."""
         trainer = self.trainer
         dirs = [("--trainer.default_root_dir", trainer.default_root_dir)]
         dirs += [(f"--trainer.logger.init_args.save_dir ({type(lg).__name__})", lg.save_dir)
@@ -156,16 +157,20 @@ class TraceCLI(LightningCLI):
 
 
 def check_output_dir(path: str | os.PathLike, flag: str) -> None:
-    """``path`` is a folder this process can write into (created if missing, as the run
-    would); otherwise an OSError naming ``flag``, the path and why. Tried by writing, since
-    permissions say little to root or on special file systems."""
+    """``path`` is, or can become, a folder this process can write into; otherwise an
+    OSError naming ``flag``, the path and why. Tried by writing a folder into its nearest
+    existing ancestor and removing it (permissions say little to root or on special file
+    systems); nothing is left behind."""
+    import errno
     import tempfile
 
-    where = Path(path)
+    probe = Path(path).absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=where):
-            pass
+        if not probe.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe))
+        os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".write_check_"))
     except OSError as e:
         raise type(e)(e.errno, f"{flag} ({path}) is not a folder this run can write into "
                                f"({e.strerror}: {e.filename}); give a writable folder",
