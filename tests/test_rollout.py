@@ -130,7 +130,8 @@ def vllm(model_dir):
     engine = build_engine("vllm", model_dir, enforce_eager=True, kv_cache_memory_gb=0.25,
                           max_model_len=1024, block_size=BLOCK)
     engine.weights = "random"  # which policy's weights it holds (the test's own bookkeeping)
-    return engine
+    yield engine
+    engine.close()  # and the process group vLLM started: later modules start their own
 
 
 def _holding(engine, policies, name: str):
