@@ -603,9 +603,24 @@ class TraceDataModule(L.LightningDataModule):
         """Release the engine (its KV cache and weights) at the end of fit/validate, so a
         process that runs several (a notebook, a benchmark, the tests) does not keep each
         one's memory; the next ``setup`` builds a fresh engine."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        self._close_engine()
         # the next engine starts from policy_path's weights: it must be synced, whatever the
         # step (validate does not move global_step, so the step alone cannot tell)
         self._synced_step = None
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A fit/validate that fails gets no ``teardown`` from Lightning: release the engine
+        here (a notebook would keep its GPU memory, and an in-process vLLM its process
+        groups, which the next engine in the process would find stale). A failure to close
+        is logged, never raised over the error being handled."""
+        try:
+            self._close_engine()
+        except Exception as e:  # noqa: BLE001 - the run's own error is the one to see
+            log.warning("closing the rollout engine after %s failed: %s: %s",
+                        type(exception).__name__, type(e).__name__, e)
+        self._synced_step = None
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
