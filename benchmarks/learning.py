@@ -59,9 +59,9 @@ import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ["uniform", "random_tree", "prompt", "trace"]
-KEYS = {"acc": "val/demo_heldout/em", "acc_in": "val/demo_heldin/em", "effective": "rollout/effective_ratio",
-        "informative": "rollout/informative_leaf_share", "leaves": "alloc/leaves",
-        "tokens": "alloc/generated_tokens", "epoch_s": "perf/epoch_s"}
+KEYS = {"acc": "val/demo_heldout/em", "acc_in": "val/demo_heldin/em",
+        "effective": "rollout/effective_ratio", "informative": "rollout/informative_leaf_share",
+        "leaves": "alloc/leaves", "tokens": "alloc/generated_tokens", "epoch_s": "perf/epoch_s"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -604,9 +604,6 @@ class TraceDataModule(L.LightningDataModule):
         process that runs several (a notebook, a benchmark, the tests) does not keep each
         one's memory; the next ``setup`` builds a fresh engine."""
         self._close_engine()
-        # the next engine starts from policy_path's weights: it must be synced, whatever the
-        # step (validate does not move global_step, so the step alone cannot tell)
-        self._synced_step = None
 
     def on_exception(self, exception: BaseException) -> None:
         """A fit/validate that fails gets no ``teardown`` from Lightning: release the engine
@@ -618,9 +615,11 @@ class TraceDataModule(L.LightningDataModule):
         except Exception as e:  # noqa: BLE001 - the run's own error is the one to see
             log.warning("closing the rollout engine after %s failed: %s: %s",
                         type(exception).__name__, type(e).__name__, e)
-        self._synced_step = None
 
     def _close_engine(self) -> None:
+        # the next engine starts from policy_path's weights: it must be synced, whatever the
+        # step (validate does not move global_step, so the step alone cannot tell)
+        self._synced_step = None
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.close()

@@ -140,7 +140,7 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
         return examples
     for line_no, line in jsonl_lines(path):
         where = f"{path}:{line_no}"
-        first = not first_line
+        first = not examples  # the file's first record
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:

@@ -25,9 +25,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from trace_lightning.advantage import AdvantageKind
 from trace_lightning.collect import RolloutStep
 from trace_lightning.collectives import all_gather_batch, all_gather_list
-from trace_lightning.logs import log_scalars
 from trace_lightning.engines.sync import sync_weights
 from trace_lightning.history import PromptHistory
+from trace_lightning.logs import log_scalars
 from trace_lightning.loss import policy_loss, predicting_rows, row_logprobs, rows_to_tokens
 from trace_lightning.features import Featuriser
 from trace_lightning.predictor import (ReplayBuffer, SuccessPredictor, fit_predictor,
