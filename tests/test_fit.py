@@ -61,7 +61,8 @@ def scalars(root: Path) -> dict[str, list[float]]:
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplog):
+def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplog,
+                                                        monkeypatch):
     # A: two epochs straight
     # (with an lr warm-up over 3 of the 4 optimizer steps, so its schedule must resume too;
     # this small world's policy never succeeds, so the advantages are zero: weight decay moves
@@ -70,9 +71,23 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
     warmup = ("--model.lr=2e-4", "--model.lr_warmup_steps=3", "--model.weight_decay=0.1",
               "--model.kl_coef=0.5")
     a = tmp_path / "a"
+    from trace_lightning.module import TraceModule
+
+    synced_at = []  # the global step of every weight sync into the engine
+    sync = TraceModule.sync_to_engine
+
+    def counted(self, *args, **kwargs):
+        synced_at.append(self.trainer.global_step)
+        return sync(self, *args, **kwargs)
+
+    monkeypatch.setattr(TraceModule, "sync_to_engine", counted)
     # "last" with no checkpoint yet starts from policy_path, and says so
     main(["fit", *demo_args(demo_dir, a, 2, *warmup), "--ckpt_path=last"])
     assert "--ckpt_path last: no last checkpoint" in caplog.text
+    # epoch 0's rollout, its validation after 2 updates, epoch 1's rollout with the weights
+    # that validation synced (not again), epoch 1's validation after 2 more
+    assert synced_at == [0, 2, 4]
+    monkeypatch.undo()
     # B: one epoch, "killed", then resumed from its last checkpoint for the second
     b = tmp_path / "b"
     main(["fit", *demo_args(demo_dir, b, 1, *warmup)])

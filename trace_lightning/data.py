@@ -439,7 +439,11 @@ class TraceDataModule(L.LightningDataModule):
         return None if agree is None else (lambda failed: agree([failed])[0])
 
     def _sync(self) -> None:
-        """Copy the policy's weights into the engine and check the copy."""
+        """Copy the policy's weights into the engine and check the copy, unless the engine
+        already holds this step's (a validation at the end of an epoch synced the weights
+        the next epoch's rollout samples with; the engine keeps them while it sleeps)."""
+        if self._synced_step == self.trainer.global_step:
+            return
         module = self.trainer.lightning_module
         probe = [self._env(None, search=False).prompt(self._probe_question())[0][:64]]
         tic = time.perf_counter()
@@ -576,8 +580,7 @@ class TraceDataModule(L.LightningDataModule):
         """``val_samples`` rollouts at ``val_temperature`` per question of this rank's share
         of ``v``, with the current weights (synced first if the policy changed)."""
         with self._engine_turn():
-            if self._synced_step != self.trainer.global_step:
-                self._sync()
+            self._sync()
             tic = time.perf_counter()
             sampling = SamplingConfig(temperature=self.val_temperature, top_p=1.0,
                                       max_tokens=self.sampling.max_tokens, seed=self.seed)
