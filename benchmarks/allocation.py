@@ -114,7 +114,7 @@ class OnlinePredictor:
         self.policy, self.shrink, self.history = policy, shrink, history
         self.step = 0
         self.featuriser = Featuriser(featuriser)
-        self.model = SuccessPredictor(self.featuriser.feature_dim(policy), hidden=128)
+        self.model = SuccessPredictor(self.featuriser.feature_dim(policy.config), hidden=128)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
         self.replay = ReplayBuffer(4)
         self.nodes_seen = 0

@@ -1039,11 +1039,13 @@ def test_an_output_folder_that_cannot_be_written_fails_before_any_work(demo_dir,
 
 
 def test_a_checkpoint_path_keeps_the_settings_given_and_names_those_that_differ(
-        demo_dir, tmp_path, caplog):
+        demo_dir, tmp_path, caplog, monkeypatch):
     """With ``--ckpt_path <file>`` Lightning's CLI replaced every --model.* value by the
     checkpoint's, silently (``last`` kept them); the settings given are used either way, a
     warning lists those that differ, a fit with no epoch left says so, and a predictor of
-    another shape is named before its weights fail to load."""
+    another shape is named before the engine starts (not after, when its weights fail to
+    load)."""
+    from trace_lightning.data import TraceDataModule
     main(["fit", *demo_args(demo_dir, tmp_path, 1, "--model.lr=1e-3")])
     (ckpt,) = tmp_path.rglob("last*.ckpt")
     caplog.set_level("WARNING", logger="trace_lightning.cli")
@@ -1056,9 +1058,19 @@ def test_a_checkpoint_path_keeps_the_settings_given_and_names_those_that_differ(
     saved = torch.load(ckpt, weights_only=False, mmap=True)["global_step"]
     assert out.trainer.global_step == saved == 2  # the checkpoint's: nothing trained
     caplog.clear()
-    with pytest.raises(ValueError, match=r"--ckpt_path: the checkpoint's predictor does not "
-                                         r"fit this run's: predictor\..* --model."
-                                         r"predictor_hidden: use the settings of the run"):
-        main(["validate", *demo_args(demo_dir, tmp_path, 1, "--model.predictor_hidden=8"),
-              f"--ckpt_path={ckpt}"])
+    monkeypatch.setattr(TraceDataModule, "_start_engine",
+                        lambda self: pytest.fail("the engine started"))
+    # predictor_hidden 8: its first layer is (8, 64 + 16), the checkpoint's (128, 64 + 16)
+    # (64: the demo policy's hidden states; 16: the depth embedding); the bag-of-tokens
+    # featuriser's 256 buckets: features of 256, not 64
+    for flag, shapes in [("--model.predictor_hidden=8",
+                          "predictor.mlp.0.weight (128, 80) (this run's: (8, 80))"),
+                         ("--model.featuriser.kind=bag_of_tokens",
+                          "predictor.feature_mean (64,) (this run's: (256,))")]:
+        with pytest.raises(ValueError, match=rf"--ckpt_path: the checkpoint's predictor does "
+                                             rf"not fit this run's: .*"
+                                             rf"{re.escape(shapes)}.*\(--model\.featuriser\)"
+                                             rf" and its hidden width --model\."
+                                             rf"predictor_hidden: use the settings of the run"):
+            main(["validate", *demo_args(demo_dir, tmp_path, 1, flag), f"--ckpt_path={ckpt}"])
     assert "--model.predictor_hidden: 8 (the checkpoint's: 128)" in caplog.text

@@ -382,7 +382,7 @@ def _held_out_skill(policy, informative: bool) -> float:
     buf = ReplayBuffer(max_steps=1)
     buf.add(training_batch(train, fz.nodes(policy, train)))
     torch.manual_seed(0)
-    pred = SuccessPredictor(fz.feature_dim(policy), hidden=64)
+    pred = SuccessPredictor(fz.feature_dim(policy.config), hidden=64)
     opt = torch.optim.AdamW(pred.parameters(), lr=3e-3, weight_decay=0.01)
     fit_predictor(pred, opt, buf, epochs=20, batch_size=64,
                   generator=torch.Generator().manual_seed(0))

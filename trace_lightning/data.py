@@ -358,9 +358,13 @@ class TraceDataModule(L.LightningDataModule):
                                     f"(or a sharded checkpoint's folder) every process sees")
         if local:
             try:
-                checkpoint_meta(path)  # a Lightning checkpoint (read without its tensors)
+                meta = checkpoint_meta(path)  # a Lightning checkpoint (read without its tensors)
             except ValueError as e:
                 raise ValueError(f"--ckpt_path: {e}") from None
+            # its predictor fits this run's (a sharded checkpoint's shapes are not in its meta)
+            module = self.trainer.lightning_module if self.trainer is not None else None
+            if hasattr(module, "check_checkpoint_predictor"):
+                module.check_checkpoint_predictor(meta.get("state_dict", {}))
 
     def _check_val_limit(self) -> None:
         """No share of the validation batches (``--trainer.limit_val_batches`` 0.1): a pass

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PretrainedConfig
 
 from trace_lightning.tree import RolloutTree
 
@@ -220,9 +220,10 @@ class Featuriser:
         self.batch_tokens = batch_tokens
         self.buckets = buckets
 
-    def feature_dim(self, policy: PreTrainedModel | None) -> int:
+    def feature_dim(self, config: PretrainedConfig | None) -> int:
+        """The width of a feature vector (``hidden``: the policy's, from its ``config``)."""
         if self.kind == "hidden":
-            return policy.config.get_text_config().hidden_size
+            return config.get_text_config().hidden_size
         return self.buckets
 
     def nodes(self, policy: PreTrainedModel | None, trees: list[RolloutTree],

@@ -170,8 +170,7 @@ class TraceModule(L.LightningModule):
             self.reference.requires_grad_(False)
         if self.hparams.compile_layers:
             compile_decoder_layers(self.policy)
-        dim = self.featuriser.feature_dim(self.policy)
-        self.predictor = SuccessPredictor(dim, hidden=self.hparams.predictor_hidden)
+        self.predictor = self._new_predictor(self.policy.config)
         self.shard_models()
         if self._trainer is not None:  # an unwrapped LightningModule is not moved by FSDP
             self.predictor.to(self.trainer.strategy.root_device)
@@ -440,22 +439,41 @@ class TraceModule(L.LightningModule):
                                "history": (self.history.state_dict()
                                            if self.history is not None else None)}
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # under "bf16-true" Lightning loads the weights into the predictor while it is still
-        # bf16 (rounding them); on_fit_start loads them again once it is float32
-        # (FSDP restores after on_fit_start, into the float32 predictor: nothing to redo)
-        # (FSDP's strategy consumes "state_dict" itself when validating: nothing to redo)
+    def _new_predictor(self, config) -> SuccessPredictor:
+        """A fresh predictor for a policy of this ``config`` (its width is the featuriser's)."""
+        return SuccessPredictor(self.featuriser.feature_dim(config),
+                                hidden=self.hparams.predictor_hidden)
+
+    def check_checkpoint_predictor(self, state_dict: dict) -> None:
+        """The predictor in a checkpoint's ``state_dict`` has this run's shapes; otherwise a
+        ValueError naming the settings that shape it. Before ``configure_model`` too (the
+        DataModule checks a checkpoint before the engine starts): then the shapes are those
+        of a predictor built on the meta device from the policy's config."""
         prefix = "predictor."
-        mine = {prefix + k: tuple(v.shape) for k, v in self.predictor.state_dict().items()}
+        if self.predictor is None:
+            config = (AutoConfig.from_pretrained(os.path.expanduser(self.hparams.policy_path))
+                      if self.featuriser.kind == "hidden" else None)
+            with torch.device("meta"):
+                predictor = self._new_predictor(config)
+        else:
+            predictor = self.predictor
+        mine = {prefix + k: tuple(v.shape) for k, v in predictor.state_dict().items()}
         wrong = [f"{k} {tuple(v.shape)} (this run's: {mine[k]})"
-                 for k, v in checkpoint.get("state_dict", {}).items()
-                 if k in mine and tuple(v.shape) != mine[k]]
+                 for k, v in state_dict.items() if k in mine and tuple(v.shape) != mine[k]]
         if wrong:
             raise ValueError(
                 f"--ckpt_path: the checkpoint's predictor does not fit this run's: "
                 f"{', '.join(wrong[:3])}; its input width is the featuriser's "
                 f"(--model.featuriser) and its hidden width --model.predictor_hidden: use "
                 f"the settings of the run that wrote the checkpoint")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # under "bf16-true" Lightning loads the weights into the predictor while it is still
+        # bf16 (rounding them); on_fit_start loads them again once it is float32
+        # (FSDP restores after on_fit_start, into the float32 predictor: nothing to redo)
+        # (FSDP's strategy consumes "state_dict" itself when validating: nothing to redo)
+        prefix = "predictor."
+        self.check_checkpoint_predictor(checkpoint.get("state_dict", {}))
         if next(self.predictor.parameters()).dtype != torch.float32:
             self._predictor_restore = {k[len(prefix):]: v.clone() for k, v in
                                        checkpoint.get("state_dict", {}).items()
