@@ -103,16 +103,22 @@ def scalars(run_dir: Path, version: int = -1) -> tuple[dict[str, list[float]], f
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}, span
 
 
-def _finished(out: Path, epochs: int) -> bool:
+def _finished(out: Path, epochs: int, held_in: bool) -> bool:
     """Whether ``out`` holds a finished run of ``epochs`` epochs (one of fewer is rerun; one
-    of more is not this run: its checkpoint and per-epoch figures are another length's)."""
+    of more is not this run: its checkpoint and per-epoch figures are another length's, nor
+    is one without the training-world evaluation ``held_in`` asks for)."""
     runs = sorted((out / "tensorboard").glob("version_*"))
     if len(runs) < 2:
         return False
-    done = len(scalars(out)[0].get(KEYS["acc"], []))
+    s = scalars(out)[0]
+    done = len(s.get(KEYS["acc"], []))
     if done > epochs:
         raise SystemExit(f"{out} holds a run of {done} epochs and --epochs is {epochs}: pass "
                          f"--out-dir for a new folder, or --fresh to replace that run")
+    if done == epochs and held_in and KEYS["acc_in"] not in s:
+        raise SystemExit(f"{out} holds a finished run without the training-world evaluation "
+                         f"--held-in asks for ({KEYS['acc_in']}): pass --out-dir for a new "
+                         f"folder, or --fresh to rerun it with that evaluation")
     return done == epochs
 
 
@@ -129,7 +135,7 @@ def run(method: str, seed: int, args, root: Path) -> dict:
     common = [f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
               f"--seed_everything={seed}", f"--data.seed={seed}",
               f"--data.allocator.seed={seed}", f"--data.val={json.dumps(val)}", *args.extra]
-    if args.fresh or not _finished(out, args.epochs):
+    if args.fresh or not _finished(out, args.epochs, args.held_in > 0):
         if out.exists():
             shutil.rmtree(out)
         cli = [sys.executable, "-m", "trace_lightning.cli"]

@@ -92,7 +92,8 @@ def test_final_eval_validates_the_fit_checkpoint_once(bench, tmp_path, monkeypat
 def test_a_finished_run_is_reused_only_at_its_own_length(bench, tmp_path):
     """A run of 3 epochs (version_0 the validation before RL, version_1 the fit) is the run
     for --epochs 3; for 4 it is unfinished (rerun); for 2 it is another run, and the script
-    stops instead of reading its last two epochs as epochs 1-2 (or deleting it)."""
+    stops instead of reading its last two epochs as epochs 1-2 (or deleting it); so it does
+    for --held-in, whose figures the run lacks."""
     from torch.utils.tensorboard import SummaryWriter
 
     run = tmp_path / "uniform_seed0"
@@ -101,10 +102,15 @@ def test_a_finished_run_is_reused_only_at_its_own_length(bench, tmp_path):
     for step, em in enumerate([0.41, 0.42, 0.43]):
         w.add_scalar("val/demo_heldout/em", em, step)
     w.close()
-    assert bench._finished(run, 3) and not bench._finished(run, 4)
+    assert bench._finished(run, 3, False) and not bench._finished(run, 4, False)
     with pytest.raises(SystemExit, match="holds a run of 3 epochs and --epochs is 2: pass "
                                          "--out-dir for a new folder, or --fresh"):
-        bench._finished(run, 2)
+        bench._finished(run, 2, False)
+    # run without --held-in: it has no training-world figures for a summary to read
+    with pytest.raises(SystemExit, match="without the training-world evaluation --held-in "
+                                         "asks for .*--fresh to rerun it"):
+        bench._finished(run, 3, True)
+    assert not bench._finished(run, 4, True)  # unfinished: rerun, with the evaluation
     assert run.exists()
 
 
