@@ -40,12 +40,14 @@ class EngineConfig:
         gpu_memory_utilization: vLLM's share of GPU memory (colocated with training).
         max_model_len: the engine's context; at least env.max_seq_tokens + sampling.max_tokens.
         enable_sleep_mode: free the engine's GPU memory while training (GPU only).
-        tensor_parallel_size: vLLM tensor parallelism.
+        tensor_parallel_size: vLLM tensor parallelism; 1 under several processes (each
+            rank runs its own engine on its own GPU).
         enforce_eager: vLLM without compilation / CUDA graphs (fast start, for CPU demos).
         block_size: vLLM KV-cache block in tokens (None: vLLM's default); the prefix cache
             reuses whole blocks, so small blocks help tree continuations.
         kv_cache_memory_gb: vLLM KV-cache size in GiB (None: from gpu_memory_utilization).
-        batch_size: prompts per generate call of the "hf" engine.
+        batch_size: sequences (prompts x samples) per forward batch of the "hf" engine,
+            in sampling and in log-probs; unused by vllm.
         sync_atol: largest log-prob difference the weight-sync check accepts.
     """
 
@@ -137,14 +139,15 @@ class DemoConfig:
         out_dir: where the world, tokenizer and warm-started policy are written.
         seed: the training world's seed.
         eval_seed: the held-out world's seed (other entities, same vocabulary).
-        warm_start_steps: supervised steps on gold trajectories before RL.
+        warm_start_steps: most supervised steps on gold trajectories before RL (the warm
+            start stops earlier once its loss reaches ``options.warm_start_stop_loss``).
         options: further keyword arguments of ``trace_lightning.demo.prepare_demo``.
     """
 
     out_dir: str = "runs/demo/world"
     seed: int = 0
     eval_seed: int = 1
-    warm_start_steps: int = 300
+    warm_start_steps: int = 1000
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

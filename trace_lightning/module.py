@@ -60,7 +60,8 @@ class TraceModule(L.LightningModule):
         policy_path: directory of a transformers causal LM and its tokenizer
             (``save_pretrained``), or a hub id (owner/name), fetched once into the Hugging
             Face cache (``trace_lightning.hub``).
-        dtype: the policy's parameter dtype ("float32", "bfloat16").
+        dtype: the policy's parameter dtype ("float32", "bfloat16", "float16"; mixed
+            precision is ``--trainer.precision``).
         lr: policy learning rate (AdamW).
         weight_decay: policy weight decay.
         betas: AdamW betas.
