@@ -632,8 +632,14 @@ def test_missing_policy_path_is_a_clear_error(tmp_path):
               f"--trainer.default_root_dir={tmp_path}"])
 
 
-def test_retriever_that_does_not_answer_fails_before_work(demo_dir, tmp_path):
+def test_retriever_that_does_not_answer_fails_before_work(demo_dir, tmp_path, monkeypatch):
     import socket
+
+    from trace_lightning import data
+
+    # checked before prepare_data fetches the policy (a hub id: 16 GB for Qwen3-8B)
+    monkeypatch.setattr(data, "local_model_dir",
+                        lambda path: pytest.fail("the policy was fetched first"))
 
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))

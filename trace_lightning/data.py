@@ -212,6 +212,8 @@ class TraceDataModule(L.LightningDataModule):
     def _prepare(self) -> None:
         fitting = self.trainer is None or self.trainer.state.fn == "fit"
         self._check_files(fitting, before_demo=True)
+        if self.retriever_url:  # before the minutes of a hub download or the demo's build
+            self._check_retriever()
         if self.demo is not None:
             from trace_lightning.demo.prepare import DemoPaths, prepare_demo
 
@@ -276,9 +278,8 @@ class TraceDataModule(L.LightningDataModule):
         self._check_files(stage == "fit")
         self._check_checkpoint()
         self._check_val_limit()
-        if self.retriever_url:  # fail before any work starts; fits the client's batches
-            self._retriever(None).check(self.env_cfg.topk,
-                                        max_query_chars=self.env_cfg.max_query_chars)
+        if self.retriever_url:  # on every process (prepare_data ran on one per node)
+            self._check_retriever()
         if stage == "fit" and not self.train_examples:
             self.train_examples = load_qa(self.train_path, limit=self.train_limit)
             needed = self.allocator.prompts_needed
@@ -407,6 +408,10 @@ class TraceDataModule(L.LightningDataModule):
             if key not in self._retrievers:
                 self._retrievers[key] = BM25Retriever(key)
         return self._retrievers[key]
+
+    def _check_retriever(self) -> None:
+        """The retrieval server answers, and fits the client's batches (``HTTPRetriever.check``)."""
+        self._retriever(None).check(self.env_cfg.topk, max_query_chars=self.env_cfg.max_query_chars)
 
     def _http_retriever(self) -> HTTPRetriever:
         return HTTPRetriever(self.retriever_url, timeout_s=self.retriever_timeout_s,
