@@ -89,7 +89,9 @@ def main(argv=None) -> dict:
                                     predictor.nodes_seen, epoch=s, seed=args.seed + 10 * s,
                                     advantage="grpo", overlap=schedule == "overlap")
                 figs[(kind, schedule)].append({
-                    "rollout_s": step.seconds["rollout"], "predict_s": step.seconds["predict"],
+                    # the phase's wall time, its searches included (they wait on turns too)
+                    "rollout_s": step.seconds["rollout"] + step.seconds["retrieval"],
+                    "predict_s": step.seconds["predict"],
                     "engine_calls": step.engine_calls,
                     # every turn adds one node per trajectory it ran
                     "per_call": sum(len(t.nodes) - 1 for t in step.trees) / step.engine_calls,

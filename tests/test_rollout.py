@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,18 @@ class CountingRetriever:
         self.calls += 1
         self.queries.extend(queries)
         return self.inner.search(queries, topk)
+
+
+class SlowRetriever(CountingRetriever):
+    """A counting retriever that takes ``delay_s`` more per call (a remote server)."""
+
+    def __init__(self, inner: BM25Retriever, delay_s: float):
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    def search(self, queries: list[str], topk: int):
+        time.sleep(self.delay_s)
+        return super().search(queries, topk)
 
 
 class RecordingEngine:
@@ -756,6 +769,7 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
     predict(trees)
     assert [signature(t) for t in trees] == shapes  # probes are separate trees
     assert counted == [] and probing.on_leaves == counted.append
+    assert probing.retrieval_s == 0.0  # the probes' searches are "predict" time
     by_depth: dict[int, list[float]] = {}
     for t in trees[:len(yes_no)]:
         for n in [t.root, *t.prefixes()]:
@@ -790,12 +804,18 @@ def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokeni
 
     alloc = Allocator("random_tree", roots=4, continuations=1, max_rollouts_per_prompt=4,
                       group_size=2)
-    loop = AgentLoop(vllm_scripted, make_env(tokenizer, retriever, max_turns=max_turns),
-                     SAMPLING)
+    slow = SlowRetriever(retriever.inner, delay_s=0.05)
+    loop = AgentLoop(vllm_scripted, make_env(tokenizer, slow, max_turns=max_turns), SAMPLING)
     calls = len(vllm_scripted.calls)
+    tic = time.perf_counter()
     step = collect_step(loop, alloc, examples, predict=None, predictor_nodes_seen=0, epoch=0,
                         seed=5, advantage="grpo", overlap=overlap)
+    wall = time.perf_counter() - tic
     assert step.engine_calls == len(vllm_scripted.calls) - calls > 0
+    # the searches' time is its own phase, taken out of "rollout" (not counted twice)
+    assert (slow.calls > 0) == (max_turns > 1)
+    assert step.seconds["retrieval"] >= 0.05 * slow.calls
+    assert sum(step.seconds.values()) <= wall
     assert step.budget.leaves == 8 == len(step.sequences) and step.stage1 == [2, 2]
     bare = [len(t.bare_rollouts()) for t in step.trees]
     if max_turns == 1:

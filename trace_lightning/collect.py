@@ -40,7 +40,7 @@ class RolloutStep:
     budget: Budget
     pool_returned: int = 0  # continuations a prompt could not use, spent elsewhere
     unspent: int = 0  # continuations no prefix could take, spent as extra bare rollouts
-    seconds: dict[str, float] = field(default_factory=dict)  # rollout/predict/... wall time
+    seconds: dict[str, float] = field(default_factory=dict)  # rollout/retrieval/predict wall s
     cold_start: bool = False
     # per tree of ``trees``, its stage-1 (planned) bare rollouts: indices 0..m-1; budget no
     # prefix could take adds bare rollouts after them (``unspent``). Empty: all are stage 1.
@@ -116,7 +116,7 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
             starts += [Start(t, 0, k) for t, k in zip(chosen, extra) if k]
         return starts
 
-    tic, predicted = time.perf_counter(), seconds["predict"]
+    tic, predicted, searched = time.perf_counter(), seconds["predict"], loop.retrieval_s
     first = [Start(t, 0, m) for t, m in opened]
     if planner is None:
         budget = loop.expand(first, seed=seed, any_rank=any_rank)
@@ -125,8 +125,11 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     else:
         budget = loop.expand(first, seed=seed, any_rank=any_rank)
         budget.add(loop.expand(branch(chosen), seed=seed + 1, any_rank=any_rank))
-    # the predictions made between turns are counted as "predict", not "rollout"
-    seconds["rollout"] = time.perf_counter() - tic - (seconds["predict"] - predicted)
+    # the predictions made between turns are counted as "predict", and the searches as
+    # "retrieval": "rollout" is the rest (the engine's sampling, parsing, bookkeeping)
+    seconds["retrieval"] = loop.retrieval_s - searched
+    seconds["rollout"] = (time.perf_counter() - tic - (seconds["predict"] - predicted)
+                          - seconds["retrieval"])
 
     for t in chosen:
         t.compute_values()
@@ -160,11 +163,13 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:
         # a seed per call: stage 2 calls once per turn, and probe i of two calls must not
         # draw the same samples
         call_seed = int(np.random.SeedSequence([seed, next(calls)]).generate_state(1)[0])
-        on_leaves, loop.on_leaves = loop.on_leaves, None  # probes are no leaves of the step
+        # probes are no leaves of the step, and their searches count as "predict" time
+        on_leaves, loop.on_leaves = loop.on_leaves, None
+        searched = loop.retrieval_s
         try:
             loop.expand([Start(p, 0, samples) for p in probes], seed=call_seed)
         finally:
-            loop.on_leaves = on_leaves
+            loop.on_leaves, loop.retrieval_s = on_leaves, searched
         for p, n in zip(probes, targets):
             rewards = [leaf.reward for leaf in p.leaves()]
             n.prediction = sum(rewards) / len(rewards)

@@ -10,6 +10,7 @@ tool calls: the observations are already in the prefix).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -56,6 +57,7 @@ class AgentLoop:
         self.sampling = replace(sampling, stop=list(env.stop))
         self.on_leaves = on_leaves  # told how many trajectories each turn finished
         self.engine_calls = 0  # turns run so far: one batched engine call each
+        self.retrieval_s = 0.0  # wall seconds inside the retriever so far
 
     def new_tree(self, example: QAExample) -> RolloutTree:
         ids, text = self.env.prompt(example.question)
@@ -152,7 +154,9 @@ class AgentLoop:
         searching = [i for i, t in enumerate(live) if actions[i].kind == "search" and not cut[i]
                      and t.tree.nodes[t.node].depth + 1 < self.env.max_turns]
         queries = [actions[i].argument for i in searching]
+        tic = time.perf_counter()
         observations = dict(zip(searching, self.env.observe(queries)))
+        self.retrieval_s += time.perf_counter() - tic
         still: list[_Live] = []
         for i, (t, c, g, a, text) in enumerate(zip(live, outs, gen, actions, texts)):
             obs_ids, obs_text = observations.get(i, ([], ""))
