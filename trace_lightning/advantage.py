@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -56,7 +56,7 @@ from trace_lightning.tree import LeafSequence, RolloutTree
 
 LeafKey = tuple[str, int]  # (tree_id, leaf_id)
 AdvantageKind = Literal["tree_grpo", "grpo", "treepo", "segment"]
-ADVANTAGE_KINDS: tuple[str, ...] = ("tree_grpo", "grpo", "treepo", "segment")
+ADVANTAGE_KINDS: tuple[str, ...] = get_args(AdvantageKind)
 EPS = 1e-6
 
 
@@ -322,7 +322,12 @@ def token_advantages(trees: Sequence[RolloutTree], kind: AdvantageKind = "tree_g
     _check_kind(kind)
     if kind == "segment":
         return segment(trees)
-    scalar = leaf_advantages(trees, kind, norm_by_std, eps)
+    return _spread_scalars(trees, leaf_advantages(trees, kind, norm_by_std, eps))
+
+
+def _spread_scalars(trees: Sequence[RolloutTree],
+                    scalar: dict[LeafKey, float]) -> dict[LeafKey, list[float]]:
+    """Each leaf's scalar advantage on every policy token of its path (``_spread``)."""
     out = {}
     for t in trees:
         for leaf in t.leaves():
@@ -340,8 +345,12 @@ def assign_advantages(seqs: Sequence[LeafSequence], trees: Sequence[RolloutTree]
     policy tokens, a summary for logging) and returns the per-token lists, aligned with
     ``seqs`` and with each ``seq.input_ids``, for :func:`trace_lightning.packing.collate`.
     """
-    per_token = token_advantages(trees, kind, norm_by_std, eps)
-    scalar = None if kind == "segment" else leaf_advantages(trees, kind, norm_by_std, eps)
+    _check_kind(kind)
+    if kind == "segment":
+        per_token, scalar = segment(trees), None
+    else:  # the scalars once, spread as token_advantages does
+        scalar = leaf_advantages(trees, kind, norm_by_std, eps)
+        per_token = _spread_scalars(trees, scalar)
     out = []
     for s in seqs:
         key = (s.tree_id, s.leaf_id)

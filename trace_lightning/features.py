@@ -20,27 +20,13 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PretrainedConfig
 
+from trace_lightning.packing import pack_lengths
 from trace_lightning.tree import RolloutTree
 
 NodeKey = tuple[str, int]  # (tree_id, node_id)
 FeaturiserKind = Literal["hidden", "bag_of_tokens"]
 
 # ---- features: hidden ----------------------------------------------------------------------
-def _pack(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Indices of sequences grouped so that ``len(group) * max_len <= batch_tokens``.
-
-    Longest first (less padding); a sequence longer than ``batch_tokens`` runs alone.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= batch_tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 @torch.no_grad()
 def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
                     positions: list[list[int]], batch_tokens: int) -> list[Tensor]:
@@ -76,7 +62,7 @@ def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
         decoder = policy.get_decoder()
         device = policy.device
     out: list[Tensor] = [torch.empty(0)] * len(sequences)
-    groups = _pack([len(s) for s in sequences], batch_tokens)
+    groups = pack_lengths([len(s) for s in sequences], batch_tokens)
     forwards = len(groups)
     if isinstance(policy, FSDP) and dist.is_initialized() and dist.get_world_size() > 1:
         most = torch.tensor([forwards], device=device)

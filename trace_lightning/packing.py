@@ -26,29 +26,30 @@ from trace_lightning.tree import LeafSequence
 
 
 def pack_microbatches(seqs: Sequence[LeafSequence], max_tokens: int) -> list[list[int]]:
-    """Indices of ``seqs`` grouped into micro-batches with ``len(batch) * longest <= max_tokens``.
-
-    Sequences are taken longest first (ties by index) and a micro-batch is closed when the next
-    one would overflow; a sequence longer than ``max_tokens`` sits alone. Every index appears
-    exactly once.
-    """
+    """Indices of ``seqs`` grouped into micro-batches with ``len(batch) * longest <= max_tokens``
+    (``pack_lengths`` of their lengths)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens ({max_tokens}) must be >= 1; set the micro-batch token "
                          f"budget to at least the longest sequence you expect")
-    order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i].input_ids), i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        n = len(seqs[i].input_ids)
-        if current and (len(current) + 1) * max(longest, n) > max_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        batches.append(current)
-    return batches
+    return pack_lengths([len(s.input_ids) for s in seqs], max_tokens)
+
+
+def pack_lengths(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of sequences of these ``lengths`` grouped so that ``len(group) * longest <=
+    max_tokens``, right-padded batches of similar lengths.
+
+    Taken longest first (ties by index); a group is closed when the next sequence would
+    overflow it, and a sequence longer than ``max_tokens`` sits alone. Every index appears
+    exactly once.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:  # longest first: a group's first sequence is its longest
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def padding_share(batches: Sequence[Sequence[int]], seqs: Sequence[LeafSequence]) -> float:
