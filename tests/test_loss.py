@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from trace_lightning.loss import (masked_token_logprobs, policy_loss, predictor_loss,
-                                 row_logprobs, token_logprobs)
+from trace_lightning.loss import masked_token_logprobs, policy_loss, row_logprobs, token_logprobs
+from trace_lightning.predictor import weighted_squared_error
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -136,22 +136,17 @@ def test_a_normalizer_below_one_is_used_as_given():
             policy_loss(logp, logp.detach(), adv, mask, normalizer=bad)
 
 
-def test_seq_mean_token_mean_by_hand():
-    # Seq 0: 1 token with pg -1; seq 1: 3 tokens with pg -2 each (ratio 1, A = 2).
-    # token_mean: (-1 - 6) / 4 = -1.75; seq_mean_token_mean: (-1 + -2) / 2 = -1.5.
+def test_token_mean_by_hand():
+    # Seq 0: 1 token with pg -1; seq 1: 3 tokens with pg -2 each (ratio 1, A = 2): every
+    # token weighs the same, (-1 - 6) / 4 = -1.75 (a mean per sequence first would be -1.5)
     logp = torch.zeros(2, 3)  # (2, 3)
     adv = torch.tensor([[1.0, 0.0, 0.0], [2.0, 2.0, 2.0]])  # (2, 3)
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])  # (2, 3)
-    tm, _ = policy_loss(logp, logp, adv, mask, loss_agg="token_mean")
-    sm, _ = policy_loss(logp, logp, adv, mask, loss_agg="seq_mean_token_mean")
+    tm, _ = policy_loss(logp, logp, adv, mask)
     assert tm.item() == pytest.approx(-1.75, rel=RTOL)
-    assert sm.item() == pytest.approx(-1.5, rel=RTOL)
-    with pytest.raises(ValueError, match="expected one of"):
-        policy_loss(logp, logp, adv, mask, loss_agg="sum")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
-def test_microbatch_sum_equals_full_batch(loss_agg):
+def test_microbatch_sum_equals_full_batch():
     g = torch.Generator().manual_seed(0)
     b, t = 6, 10
     logp = (-torch.rand(b, t, generator=g) * 3).requires_grad_(True)  # (B, T)
@@ -160,10 +155,10 @@ def test_microbatch_sum_equals_full_batch(loss_agg):
     ref = logp.detach() + 0.2 * torch.randn(b, t, generator=g)  # (B, T)
     mask = (torch.rand(b, t, generator=g) < 0.6).float()  # (B, T)
     mask[0] = 0.0  # a sequence with no policy tokens must not count
-    kw = dict(kl_coef=0.05, loss_agg=loss_agg)
+    kw = dict(kl_coef=0.05)
     full, _ = policy_loss(logp, old, adv, mask, ref_logprobs=ref, **kw)
     (full_grad,) = torch.autograd.grad(full, logp)
-    normalizer = mask.sum().item() if loss_agg == "token_mean" else (mask.sum(-1) > 0).sum().item()
+    normalizer = mask.sum().item()
     parts = [slice(0, 2), slice(2, 3), slice(3, 6)]
     total = sum(policy_loss(logp[s], old[s], adv[s], mask[s], ref_logprobs=ref[s],
                             normalizer=normalizer, **kw)[0] for s in parts)
@@ -216,15 +211,13 @@ def test_predictor_loss_by_hand():
     target = torch.tensor([0.0, 1.0, 0.5])  # (3,)
     weight = torch.tensor([1.0, 3.0, 2.0])  # (3,)
     # squared errors 0.04, 0.01, 0; weighted sum 0.04 + 0.03 + 0 = 0.07; / 6 = 0.0116667.
-    loss, stats = predictor_loss(pred, target, weight)
+    loss = weighted_squared_error(pred, target, weight)
     assert loss.item() == pytest.approx(0.07 / 6, rel=RTOL, abs=ATOL)
-    # mae: (0.2 + 0.3 + 0) / 6 = 0.0833333.
-    assert stats["mae"].item() == pytest.approx(0.5 / 6, rel=RTOL, abs=ATOL)
     loss.backward()
     # d/dp = 2 w (p - y) / sum w = [2*0.2/6, 2*3*(-0.1)/6, 0] = [0.066667, -0.1, 0].
     torch.testing.assert_close(pred.grad, torch.tensor([0.4 / 6, -0.1, 0.0]), rtol=RTOL, atol=ATOL)
-    unweighted, _ = predictor_loss(pred, target)
-    assert unweighted.item() == pytest.approx(0.05 / 3, rel=RTOL, abs=ATOL)
+    # no weight: 0, not 0 / 0
+    assert weighted_squared_error(pred, target, torch.zeros(3)).item() == 0.0
 
 
 @pytest.mark.parametrize("chunk_elements", [13, 5 * 13, 1 << 28])  # 1 row, 5 rows, one chunk

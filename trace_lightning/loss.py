@@ -1,4 +1,4 @@
-"""Policy and predictor losses: pure torch, tensors in, ``(loss, stats)`` out.
+"""The policy loss: pure torch, tensors in, ``(loss, stats)`` out.
 
 Alignment (the one convention every tensor here follows): all ``(B, T)`` tensors are aligned
 with ``input_ids``. Position ``t`` holds the quantity of token ``t`` given tokens ``< t``:
@@ -17,8 +17,7 @@ Policy loss (PPO clipped surrogate, DAPO's asymmetric "clip-higher")::
     loss    = agg(pg) + kl_coef * agg(kl)
 
 over mask tokens only (policy tokens: prompt, observation and padding tokens are out).
-``agg``: ``token_mean`` (DAPO / Dr. GRPO: every token of the mini-batch weighs the same) or
-``seq_mean_token_mean`` (original GRPO: mean per sequence, then over sequences).
+``agg`` is the token mean (DAPO / Dr. GRPO: every token of the mini-batch weighs the same).
 Dual-clip (Ye et al. 2020, verl's ``clip_ratio_c``): for a negative advantage the surrogate
 grows without bound with the ratio (a token the policy now likes far more than the sampler
 did); capping it at ``-A dual_clip`` bounds that term and zeroes its gradient.
@@ -26,10 +25,9 @@ Numerical guards as in verl: ``logp - old`` and ``ref - logp`` are clamped to [-
 before ``exp``, and masked positions are zeroed *before* ``exp``, so a masked token with a
 huge ratio can produce neither ``inf * 0 = nan`` nor a gradient.
 
-Micro-batching: pass ``normalizer`` = the whole mini-batch's count (mask tokens for
-``token_mean``, sequences with at least one mask token for ``seq_mean_token_mean``); each
-micro-batch's loss is then its sum divided by that count, and summing the micro-batch losses
-(or accumulating their gradients) gives exactly the mini-batch loss.
+Micro-batching: pass ``normalizer`` = the whole mini-batch's mask tokens; each micro-batch's
+loss is then its sum divided by that count, and summing the micro-batch losses (or
+accumulating their gradients) gives exactly the mini-batch loss.
 
 Token log-probs in chunks: ``token_logprobs`` by default goes through ``row_logprobs``, a
 custom autograd function that walks the ``(N, V)`` logit rows in chunks of about
@@ -42,20 +40,15 @@ copy, and the plain path (``chunk_elements=None``, kept as the reference) builds
 ``masked_token_logprobs`` goes one step further: from the final hidden states it runs the LM
 head only on the positions whose next token is trained (policy tokens), so neither the logits
 nor their gradient exist anywhere else.
-
-Predictor loss: ``sum_i w_i (p_i - y_i)^2 / sum_i w_i`` with ``w`` = leaves below the node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-LossAgg = Literal["token_mean", "seq_mean_token_mean"]
-LOSS_AGGS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
 _LOG_RATIO_CLAMP = 20.0
 CHUNK_ELEMENTS = 1 << 28  # logits per float32 chunk (1 GiB); 1,766 rows of a 151,936 vocab
 
@@ -233,21 +226,12 @@ def rows_to_tokens(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return F.pad(zeros.masked_scatter(sel, values), (1, 0))  # (B, T)
 
 
-def _agg(values: torch.Tensor, mask: torch.Tensor, loss_agg: str,
-         normalizer: float | None) -> torch.Tensor:
-    """Aggregate ``(B, T)`` values over float ``mask`` tokens; see the module docstring."""
-    if loss_agg == "token_mean":
-        total = (values * mask).sum()  # ()
-        denom = mask.sum() if normalizer is None else normalizer
-    elif loss_agg == "seq_mean_token_mean":
-        per_seq_tokens = mask.sum(-1)  # (B,)
-        per_seq = (values * mask).sum(-1) / per_seq_tokens.clamp(min=1.0)  # (B,)
-        total = per_seq.sum()  # ()
-        denom = (per_seq_tokens > 0).sum() if normalizer is None else normalizer
-    else:
-        raise ValueError(f"loss_agg {loss_agg!r} is unknown; expected one of {LOSS_AGGS}")
+def _agg(values: torch.Tensor, mask: torch.Tensor, normalizer: float | None) -> torch.Tensor:
+    """The token mean of ``(B, T)`` values over float ``mask`` tokens: their sum over
+    ``normalizer`` (None: over this batch's own count)."""
+    total = (values * mask).sum()  # ()
     if normalizer is None:  # an empty batch: a zero loss, not 0 / 0
-        return total / denom.to(values.dtype).clamp(min=1.0)
+        return total / mask.sum().clamp(min=1.0)
     # as given, even below 1: over several ranks it is the count over all ranks / ranks
     return total / normalizer
 
@@ -255,7 +239,7 @@ def _agg(values: torch.Tensor, mask: torch.Tensor, loss_agg: str,
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
-                loss_agg: LossAgg = "token_mean", normalizer: float | None = None,
+                normalizer: float | None = None,
                 entropy: torch.Tensor | None = None, dual_clip: float | None = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss with an optional k3 KL penalty to a reference.
@@ -269,15 +253,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         clip_high: ratio is clipped above at ``1 + clip_high`` (for ``A > 0``; DAPO: 0.28).
         ref_logprobs: ``(B, T)`` reference log-probs, for the KL term (``None``: no KL).
         kl_coef: weight of the k3 KL term (needs ``ref_logprobs`` when > 0).
-        loss_agg: ``token_mean`` or ``seq_mean_token_mean``.
-        normalizer: the mini-batch's token (or sequence) count when this is one micro-batch
+        normalizer: the mini-batch's token count when this is one micro-batch
             (> 0; over several ranks that count over all ranks / ranks, which may be below 1);
             ``None`` normalises by this batch's own count.
         entropy: ``(B, T)`` per-token entropy, only reported in the stats.
         dual_clip: cap of ``-A ratio`` for ``A < 0`` at ``-A dual_clip`` (> 1; ``None``: off).
 
     Returns:
-        ``loss`` (scalar) and detached scalar ``stats``: ``pg_loss``, ``clip_frac_low``,
+        ``loss`` (scalar) and detached scalar ``stats``: ``clip_frac_low``,
         ``clip_frac_high``, ``clip_frac_dual`` (0 when off), ``approx_kl`` (k1: mean of
         old - logp), ``approx_kl_k3``,
         ``ratio_mean``, ``ratio_max``, ``tokens``, and ``kl_ref`` / ``entropy`` when given.
@@ -304,8 +287,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     pg = torch.maximum(surr, surr_clipped)  # (B, T)
     if dual_clip is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)  # (B, T)
-    pg_loss = _agg(pg, m, loss_agg, normalizer)  # ()
-    loss = pg_loss
+    loss = _agg(pg, m, normalizer)  # ()
 
     with torch.no_grad():
         r = ratio.detach()  # (B, T)
@@ -315,7 +297,6 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 else torch.zeros_like(valid))  # (B, T): gradient zeroed here
         neg = -log_ratio.detach()  # (B, T): old - logp
         stats = {
-            "pg_loss": pg_loss.detach(),
             "clip_frac_low": (low.to(m.dtype).sum() / n_tokens),
             "clip_frac_high": (high.to(m.dtype).sum() / n_tokens),
             "clip_frac_dual": (dual.to(m.dtype).sum() / n_tokens),
@@ -331,7 +312,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         d = torch.where(valid, ref_logprobs - logprobs, torch.zeros_like(logprobs))  # (B, T)
         d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
         kl = torch.exp(d) - d - 1.0  # (B, T): k3 >= 0
-        kl_loss = _agg(kl, m, loss_agg, normalizer)  # ()
+        kl_loss = _agg(kl, m, normalizer)  # ()
         # a mean over this call's tokens, as every statistic (kl_loss is over the normalizer)
         stats["kl_ref"] = (kl.detach() * m).sum() / n_tokens
         if kl_coef > 0:
@@ -340,28 +321,3 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         stats["entropy"] = (entropy.detach() * m).sum() / n_tokens
     return loss, stats
 
-
-def predictor_loss(pred: torch.Tensor, target: torch.Tensor,
-                   weight: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Leaf-count-weighted squared error of the success predictor.
-
-    Args:
-        pred: ``(N,)`` predicted success probabilities.
-        target: ``(N,)`` bottom-up tree values (mean leaf reward below each node).
-        weight: ``(N,)`` leaves below each node (``None``: all 1).
-
-    Returns:
-        ``loss = sum(w (p - y)^2) / sum(w)`` and stats ``mse`` (= loss, detached), ``mae``
-        (weighted), ``n``.
-    """
-    if weight is None:
-        weight = torch.ones_like(target)
-    w = weight.to(pred.dtype)  # (N,)
-    err = pred - target.to(pred.dtype)  # (N,)
-    w_sum = w.sum().clamp(min=1e-12)  # ()
-    loss = (w * err.square()).sum() / w_sum  # ()
-    with torch.no_grad():
-        stats = {"mse": loss.detach(), "mae": (w * err.abs()).sum() / w_sum,
-                 "n": torch.tensor(float(pred.numel()))}
-    return loss, stats

@@ -335,7 +335,6 @@ class TraceModule(L.LightningModule):
             w = stats.pop("tokens")
             r = stats.pop("ratio_max")
             ratio_max = torch.maximum(ratio_max, r)
-            stats.pop("pg_loss")
             parts = {k: v * w for k, v in stats.items()} | {"loss": loss.detach(), "tokens": w}
             for k, v in parts.items():
                 sums[k] = sums.get(k, zero) + v
