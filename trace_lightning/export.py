@@ -108,7 +108,7 @@ def save_policy(state: dict[str, torch.Tensor], policy_path: str | Path, out: st
     info = {"policy_path": str(policy_path), "dtype": str(weight_dtype).removeprefix("torch."),
             **(meta or {})}
     (tmp / META_FILE).write_text(json.dumps(info, indent=1) + "\n")
-    _replace(tmp, out)
+    replace_dir(tmp, out)
     return out
 
 
@@ -136,7 +136,7 @@ def check_out(out: str | Path, sources: Iterable[str | Path | None] = ()) -> Non
                 f"delete {path} yourself")
 
 
-def _replace(tmp: Path, out: Path) -> None:
+def replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished ``tmp`` to ``out`` by renames only: a previous export is moved
     aside to ``<out>.old`` (deleted once the new one is in place) and moved back if the new
     one cannot be, so a complete model is at ``out``, or (killed between the two renames) at

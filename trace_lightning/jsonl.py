@@ -1,9 +1,27 @@
-"""Reading JSONL files line by line, with the line that fails named."""
+"""JSONL files: read line by line, with the line that fails named; written whole or not at
+all."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+
+def write_records(records: Iterable[dict], path: str | Path) -> None:
+    """Write ``records`` one JSON object per line, to a temp file renamed over ``path`` once
+    complete (a reader never sees half a file; a failed write leaves no temp file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trace_lightning.jsonl import write_records
+
 
 @dataclass
 class Node:
@@ -221,17 +223,7 @@ class LeafSequence:
 
 def write_jsonl(trees: Iterable[RolloutTree], path: str | Path) -> None:
     """Write trees one JSON object per line (written to a temp file, then renamed)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            for t in trees:
-                f.write(json.dumps(t.to_dict()) + "\n")
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_records((t.to_dict() for t in trees), path)
 
 
 def read_jsonl(path: str | Path) -> Iterator[RolloutTree]:

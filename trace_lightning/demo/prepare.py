@@ -37,6 +37,8 @@ from pathlib import Path
 from trace_lightning.demo.warm_start import warm_start
 from trace_lightning.demo.world import World, generate_world, vocabulary_text
 from trace_lightning.environment import SearchEnvironment
+from trace_lightning.export import replace_dir
+from trace_lightning.jsonl import write_records
 from trace_lightning.models import AGENT_TAGS, build_tiny_model, train_tokenizer
 from trace_lightning.retrieval import BM25Retriever
 
@@ -73,14 +75,6 @@ class DemoPaths:
                    model=r / "model", manifest=r / "manifest.json")
 
 
-def _write_jsonl(records: list[dict], path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    tmp.replace(path)
-
-
 def _qa_records(world: World) -> list[dict]:
     return [{**q, "supporting_titles": q["chain"][:-1]} for q in world.questions]
 
@@ -110,17 +104,6 @@ def held_out_world(eval_seed: int, n_questions: int, trained: Sequence[World],
     world = generate_world(eval_seed, n_questions=n_questions + len(seen), **sizes)
     kept = [q for q in world.questions if (q["question"], tuple(q["answers"])) not in seen]
     return replace(world, questions=kept[:n_questions])
-
-
-def _replace_dir(new: Path, final: Path) -> None:
-    """Put the finished folder ``new`` at ``final`` by renames (old -> ``.old``, new ->
-    final, remove ``.old``), as ``export`` does, so ``final`` is never half written."""
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    new.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def demo_env(tokenizer, world: World, topk: int = 3, max_obs_tokens: int = 256,
@@ -245,11 +228,11 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
                             if k not in ("root", "manifest")}}
         # The swap: without a manifest, a world caught half swapped is never taken as complete.
         paths.manifest.unlink(missing_ok=True)
-        _write_jsonl(train.documents, paths.train_corpus)
-        _write_jsonl(_qa_records(train), paths.train_qa)
-        _write_jsonl(held_out.documents, paths.eval_corpus)
-        _write_jsonl(_qa_records(held_out), paths.eval_qa)
-        _replace_dir(staging, paths.model)
+        write_records(train.documents, paths.train_corpus)
+        write_records(_qa_records(train), paths.train_qa)
+        write_records(held_out.documents, paths.eval_corpus)
+        write_records(_qa_records(held_out), paths.eval_qa)
+        replace_dir(staging, paths.model)
         tmp = paths.manifest.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=2))
         tmp.replace(paths.manifest)
