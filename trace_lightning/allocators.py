@@ -74,11 +74,6 @@ class RootPlan:
     cold_start: bool = False  # planned as by uniform because the predictor is not trusted yet
 
     @property
-    def chosen(self) -> list[int]:
-        """Indices of the opened candidates, in candidate order (the order of the trees)."""
-        return [i for i, m in enumerate(self.rollouts) if m > 0]
-
-    @property
     def leaves(self) -> int:
         return sum(self.rollouts)
 
@@ -230,6 +225,16 @@ class Allocator:
     def leaves_per_step(self) -> int:
         """``L = M (1 + N)``: leaves every kind spends per step."""
         return self.roots * (1 + self.continuations)
+
+    @property
+    def branches(self) -> bool:
+        """Whether this kind spends continuations on prefixes (and so has a stage 2)."""
+        return self.kind in _BRANCHING
+
+    @property
+    def predicts(self) -> bool:
+        """Whether this kind plans from success predictions (once out of its cold start)."""
+        return self.kind in _SOLVED
 
     @property
     def root_budget(self) -> int:

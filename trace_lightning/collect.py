@@ -81,7 +81,7 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     tic, calls = time.perf_counter(), loop.engine_calls
     trees = [loop.new_tree(e) for e in candidates]
     cold = allocator.is_cold(predictor_nodes_seen)
-    informed = allocator.kind in ("prompt", "trace", "oracle") and not cold
+    informed = allocator.predicts and not cold
     if informed:
         if predict is None:
             raise ValueError(f"allocator kind {allocator.kind!r} needs predictions; pass "
@@ -97,8 +97,7 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     rank, world = shard
     opened = [(t, m) for t, m in zip(trees, plan.rollouts) if m > 0][rank::world]
     chosen = [t for t, _ in opened]
-    planner = (allocator.prefix_planner(chosen, plan.cold_start)
-               if allocator.kind in ("random_tree", "trace", "oracle") else None)
+    planner = allocator.prefix_planner(chosen, plan.cold_start) if allocator.branches else None
 
     def branch(done: list[RolloutTree]) -> list[Start]:
         """Stage 2 of the trees in ``done``; the pool once every tree is planned."""

@@ -31,7 +31,6 @@ SEARCH_R1_INSTRUCTION = (
     "<answer> Beijing </answer>. Question: {question}\n"
 )
 STOP_STRINGS = ["</search>", "</answer>"]
-_TAGS = ("think", "search", "answer", "information")
 _TAG_RE = re.compile(r"</?(think|search|answer|information)>")
 
 

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from trace_lightning.advantage import AdvantageKind
+from trace_lightning.advantage import ADVANTAGE_KINDS, AdvantageKind
 from trace_lightning.collect import RolloutStep
 from trace_lightning.collectives import all_gather_batch, all_gather_list
 from trace_lightning.engines.sync import sync_weights
@@ -104,9 +104,9 @@ class TraceModule(L.LightningModule):
                  gradient_checkpointing: bool = False, lr_warmup_steps: int = 0,
                  compile_layers: bool = False):
         super().__init__()
-        if advantage not in ("tree_grpo", "treepo", "segment", "grpo"):
-            raise ValueError(f"--model.advantage ({advantage!r}): expected one of 'tree_grpo', "
-                             f"'treepo', 'segment', 'grpo'")
+        if advantage not in ADVANTAGE_KINDS:
+            raise ValueError(f"--model.advantage ({advantage!r}): expected one of "
+                             f"{', '.join(map(repr, ADVANTAGE_KINDS))}")
         for flag, value, ok, rule in (
                 ("lr", lr, lr > 0, "> 0"),
                 ("lr_warmup_steps", lr_warmup_steps, lr_warmup_steps >= 0, ">= 0 (0: no warm-up)"),

@@ -64,10 +64,6 @@ class Node:
     continuations: int = 0  # continuations allocated to branch from this prefix
 
     @property
-    def is_leaf(self) -> bool:
-        return self.finished
-
-    @property
     def n_policy_tokens(self) -> int:
         return sum(self.policy_mask)
 

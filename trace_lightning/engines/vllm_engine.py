@@ -251,7 +251,6 @@ class VLLMEngine:
                                    enforce_eager, kv_bytes, max_num_seqs,
                                    block_size, enable_chunked_prefill,
                                    max_num_batched_tokens)
-        self.max_model_len = max_model_len
         self.awake = True
 
     def _start(self, model_path, dtype, gpu_memory_utilization, max_model_len,
