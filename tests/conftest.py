@@ -22,3 +22,15 @@ def shared_data() -> Path:
         pytest.fail(f"real QA data not found at {path}; set TRACE_SHARED_DATA to the folder "
                     f"that holds hotpotqa/, 2wikimultihopqa/, nq/ and wiki18/")
     return path
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test leaves ``os.environ`` as it found it. Lightning's in-process FSDP and DDP
+    set MASTER_ADDR, MASTER_PORT, NODE_RANK and LOCAL_RANK there; a later test's
+    ``trace-lightning fit --trainer.devices=2`` subprocess inherited them, took itself for
+    an already launched rank 0 and waited for a rank 1 that was never started."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
