@@ -332,6 +332,61 @@ def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
         assert stats[precision] == pytest.approx(stats["32-true"])
 
 
+def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
+    """The rollout's predictions featurise stage 1's roots, then stage 2's bare rollouts; the
+    predictor's fit after the rollout runs only the paths they did not (the continuations),
+    and fits on the same features a fresh computation gives (the weights have not moved)."""
+    import types
+
+    from trace_lightning import features
+    from trace_lightning import module as module_lib
+
+    ran: list[list[int]] = []  # every sequence the policy featurised
+    last_hidden_at = features._last_hidden_at
+
+    def spy(policy, sequences, positions, batch_tokens):
+        ran.extend(sequences)
+        return last_hidden_at(policy, sequences, positions, batch_tokens)
+
+    monkeypatch.setattr(features, "_last_hidden_at", spy)
+    seen = {}
+    training_batch = module_lib.training_batch
+
+    def keep(trees, feats, *args, **kwargs):  # the features the predictor fits on
+        seen["fitted"] = dict(feats)
+        return training_batch(trees, feats, *args, **kwargs)
+
+    monkeypatch.setattr(module_lib, "training_batch", keep)
+
+    class Rollout(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trees = mixed_trees()  # 6 trees x 2 bare rollouts of two turns
+            roots = [RolloutTree.new(t.tree_id, "q", ["a"], t.root.token_ids) for t in trees]
+            pl_module.predict_trees(roots)  # stage 1: 6 prompts
+            pl_module.predict_trees(trees)  # stage 2: 12 bare paths (roots known: no path)
+            seen["predicted"] = len(ran)
+            for t in trees:  # one continuation from each tree's first turn of rollout 0
+                first = t.root.children[0]
+                t.add_child(first, token_ids=[10, 11], logprobs=[-1.0, -1.0],
+                            policy_mask=[1, 1], finished=True, reward=1.0)
+                t.compute_values()
+            del ran[:]
+            pl_module.receive_step(types.SimpleNamespace(trees=trees, epoch=0))
+            seen["fit"] = [list(s) for s in ran]
+            seen["continuations"] = sorted(
+                [t.prefix_ids(t.nodes[-1].id) for t in trees])  # their whole paths
+            seen["fresh"] = features.node_features(pl_module.policy, trees, batch_tokens=4096)
+
+    _fit(TraceModule(policy_path=str(policy_dir), lr=1e-4), [_minibatch(1)],
+         callbacks=[Rollout()])
+    assert seen["predicted"] == 6 + 12
+    assert sorted(seen["fit"]) == seen["continuations"] and len(seen["fit"]) == 6
+    # every node's features, those kept from the predictions included, are the weights'
+    assert seen["fitted"].keys() >= seen["fresh"].keys()
+    for k, f in seen["fresh"].items():
+        torch.testing.assert_close(seen["fitted"][k], f, rtol=1e-4, atol=1e-5)
+
+
 def test_the_policy_trains_without_dropout(tmp_path):
     """A checkpoint saved with attention dropout: in train mode its log-probs would vary
     from pass to pass (and from the sampler's) before any update; the module turns it off."""

@@ -141,6 +141,9 @@ class TraceModule(L.LightningModule):
         self.predictor: SuccessPredictor | None = None
         self._predictor_stats: dict[str, float] = {}
         self._last_sync: tuple | None = None  # (engine, probe, policy probe log-probs)
+        # (global_step, {(tree_id, node_id): (D,)}): the features predict_trees computed in
+        # this step's rollout, with these weights; receive_step takes them (see there)
+        self._step_features: tuple[int, dict] | None = None
         self._grad_norm = float("nan")  # the policy's, before clipping, of the last step
         self._predictor_restore: dict | None = None  # see on_load_checkpoint
         self._predictor_opt: torch.optim.Optimizer | None = None  # see predictor_optimizer
@@ -188,6 +191,7 @@ class TraceModule(L.LightningModule):
         # dtype); it reads float32 features and is tiny, so it trains in float32. The same
         # Parameter objects: the optimizer already holding them stays valid.
         self.predictor.float()
+        self._step_features = None  # an earlier fit's (a notebook), maybe of other weights
         if self._predictor_restore is not None:  # the checkpoint's float32 values, unrounded
             self.predictor.load_state_dict(self._predictor_restore)
             self._predictor_restore = None
@@ -273,16 +277,30 @@ class TraceModule(L.LightningModule):
 
     @torch.no_grad()
     def predict_trees(self, trees: list[RolloutTree]) -> None:
-        """Set ``node.prediction`` on every root and non-leaf turn of ``trees``."""
-        feats = self.featuriser.nodes(self.policy, trees)
+        """Set ``node.prediction`` on every root and non-leaf turn of ``trees``.
+
+        The features are kept for the step's ``receive_step``, and a path whose nodes all
+        have one already is not run again (stage 2 predicts trees whose roots stage 1 did)."""
+        feats = self.featuriser.nodes(self.policy, trees, known=self._known_features())
+        self._step_features = (self.global_step, feats)
         predict_nodes(self.predictor, trees, feats)
         if self.history is not None:
             self.history.adjust(trees, self.current_epoch)
 
+    def _known_features(self) -> dict:
+        """This step's features so far (computed with the current weights), or none."""
+        known = self._step_features
+        return known[1] if known is not None and known[0] == self.global_step else {}
+
     def receive_step(self, step: RolloutStep) -> None:
-        """Train the predictor on the step's tree values (all ranks' nodes) plus replay."""
+        """Train the predictor on the step's tree values (all ranks' nodes) plus replay.
+
+        Only the paths the rollout's predictions did not featurise run through the policy:
+        with stage 2 predicted, every bare rollout's path is known and only continuations'
+        are new (the weights have not changed since: training comes after)."""
+        known, self._step_features = self._known_features(), None
         with torch.no_grad():
-            feats = self.featuriser.nodes(self.policy, step.trees)
+            feats = self.featuriser.nodes(self.policy, step.trees, known=known)
         batch = all_gather_batch(training_batch(step.trees, feats), self.trainer)
         self.replay.add(batch)
         self.predictor_nodes_seen += len(batch.value)
@@ -474,6 +492,7 @@ class TraceModule(L.LightningModule):
         # (FSDP's strategy consumes "state_dict" itself when validating: nothing to redo)
         prefix = "predictor."
         self.check_checkpoint_predictor(checkpoint.get("state_dict", {}))
+        self._step_features = None  # features of the weights before these
         if next(self.predictor.parameters()).dtype != torch.float32:
             self._predictor_restore = {k[len(prefix):]: v.clone() for k, v in
                                        checkpoint.get("state_dict", {}).items()
