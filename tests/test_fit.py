@@ -136,8 +136,12 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
             .splitlines() if line.startswith("| `")]
     always = [r[1].strip().strip("`").replace("<dataset>", "demo_heldout") for r in rows
               if r[2].strip() == "scalar" and "when" not in r[5] and "CUDA" not in r[5]]
-    assert len(always) > 30
+    assert len(always) > 50
     assert not [k for k in always if k not in sa], [k for k in always if k not in sa]
+    # and the module's own keys are all in it
+    listed = {r[1].strip().strip("`") for r in rows}
+    unlisted = [k for k in sa if k.startswith(("train/", "predictor/")) and k not in listed]
+    assert not unlisted, unlisted
     # equal sampling cost: every step spends roots * (1 + continuations) leaves
     assert sa["alloc/leaves"] == [16.0, 16.0]
     # the predictor's fit once per RL step, not again at each of its two optimizer steps
