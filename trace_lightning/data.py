@@ -1,9 +1,10 @@
 """TraceDataModule: each epoch, budgeted rollout trees from the current policy.
 
 One epoch is one RL iteration (``reload_dataloaders_every_n_epochs=1``): ``train_dataloader``
-syncs the policy's weights into the engine (checked), lets the allocator spend the step's
-budget over candidate prompts and prefixes, grows the trees, and serves the flattened leaves
-as token-packed micro-batches. ``val_dataloader`` runs the agent on each validation set and
+syncs the policy's weights into the engine (checked; not again when the epoch's validation
+already synced this step's), lets the allocator spend the step's budget over candidate
+prompts and prefixes, grows the trees, and serves the flattened leaves as token-packed
+micro-batches. ``val_dataloader`` runs the agent on each validation set and
 serves the finished trajectories for the QA metrics. The engine is awake only for those
 phases: after each one ``engine.sleep()`` hands the trainer its GPU memory (vLLM sleep mode)
 or its CPU threads.
