@@ -428,6 +428,28 @@ def test_union_error_unwraps_only_a_single_real_error():
     assert union_error(wrapped.replace("Expected a <class 'NoneType'>", "b is wrong")
                        .format("a (0) must be >= 1")) is None  # two: left as it is
     assert union_error("a (0) must be >= 1") is None
+    # a section's parse error: the key and its error, nested under the section's class
+    nested = ("Problem with given class_path 'X':\n      Parser key \"kind\":\n"
+              "        Expected a typing.Literal['vllm', 'hf']. Got value: vlm")
+    assert union_error(wrapped.format(nested)) == \
+        "key \"kind\": Expected a typing.Literal['vllm', 'hf']. Got value: vlm"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--data.engine.kind=vlm",
+     "Parser key \"data.engine.kind\": Expected a typing.Literal['vllm', 'hf']. Got value: vlm"),
+    ("--data.env.topk=abc",
+     "Parser key \"data.env.topk\": Expected a <class 'int'>. Got value: abc"),
+])
+def test_a_value_that_does_not_parse_in_an_optional_section_is_its_own_error(override, message,
+                                                                             capsys):
+    """jsonargparse reported it as "Does not validate against any of the Union subtypes"
+    with the section's subtypes, errors and given value around it (eight lines)."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(REPO / "configs" / "demo.yaml"), override])
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"error: {message}"
+    assert "Union subtypes" not in err
 
 
 @pytest.mark.parametrize("logger, message", [

@@ -28,6 +28,8 @@ import glob
 import json
 import logging
 import os
+import re
+import textwrap
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in-process (CPU, tests)
@@ -35,7 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 
 from callbacks._common import RolloutCallback  # noqa: E402
 from trace_lightning.data import TraceDataModule  # noqa: E402
@@ -179,13 +181,44 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> None:
 
 def union_error(message: str) -> str | None:
     """The one real error of jsonargparse's "Does not validate against any of the Union
-    subtypes" (the others: "Expected a <class 'NoneType'>"), or None for another message."""
+    subtypes" (the others: "Expected a <class 'NoneType'>"), or None for another message.
+
+    A section's parse error nests the key and its error under the section's class
+    ("Problem with given class_path ...:", "Parser key "kind":", the error): that is
+    returned as ``key "kind": <the error>``."""
     if not message.startswith("Does not validate against any of the Union subtypes"):
         return None
-    rest = message.partition("\nErrors:\n")[2]
-    errors = [line[len("  - "):] for line in rest.split("\nGiven value")[0].splitlines()
-              if line.startswith("  - ") and "Expected a <class 'NoneType'>" not in line]
-    return errors[0] if len(errors) == 1 else None
+    listed = message.partition("\nErrors:\n")[2].split("\nGiven value")[0]
+    errors: list[list[str]] = []  # each error's lines, the first without its "  - "
+    for line in listed.splitlines():
+        if line.startswith("  - "):
+            errors.append([line[len("  - "):]])
+        elif errors:
+            errors[-1].append(line.strip())
+    errors = [e for e in errors if e[0] != "Expected a <class 'NoneType'>"]
+    if len(errors) != 1:
+        return None
+    first, *nested = errors[0]
+    if first.startswith("Problem with given class_path") and len(nested) == 2 \
+            and nested[0].startswith("Parser key "):
+        return f"{nested[0].removeprefix('Parser ').rstrip(':')}: {nested[1]}"
+    return " ".join(errors[0])
+
+
+class TraceParser(LightningArgumentParser):
+    """Lightning's parser, with a bad value in a section typed ``X | None``
+    (``--data.engine.kind=vlm``) reported as its own error instead of jsonargparse's dump of
+    every Union subtype (see ``union_error``)."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        section, sep, rest = message.partition(":\n")  # 'Parser key "data.engine"'
+        inner = union_error(textwrap.dedent(rest)) if sep and section.startswith("Parser key") \
+            else None
+        if inner is not None:
+            nested = re.match(r'key "([^"]+)": (.*)', inner, re.S)
+            message = (f'{section[:-1]}.{nested[1]}": {nested[2]}' if nested
+                       else f"{section}: {inner}")
+        return super().error(message, ex)
 
 
 def setting_differences(given: dict, saved: dict | None) -> list[str]:
@@ -252,7 +285,7 @@ def cli(args: list[str] | None = None) -> TraceCLI:
         # TraceModule builds its optimizers (policy, and the predictor's own) itself: no
         # --optimizer / --lr_scheduler, which would replace them with one over no parameters
         auto_configure_optimizers=False,
-        subclass_mode_model=False, subclass_mode_data=False,
+        subclass_mode_model=False, subclass_mode_data=False, parser_class=TraceParser,
     )
 
 
