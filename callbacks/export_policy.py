@@ -6,6 +6,12 @@ the policy optimizer's steps), ready for ``AutoModelForCausalLM.from_pretrained`
 ``vllm serve``. Under FSDP the shards are gathered onto rank 0's CPU, which alone writes;
 every rank takes part in the gather, and every rank raises when rank 0's write fails. For a
 checkpoint after the fact: ``trace-lightning-export`` (``trace_lightning/export.py``).
+
+An export folder already there (a resumed run's, or a new run given the same ``dirpath``) is
+replaced only when it holds nothing but what an export wrote (the manifest in its
+``trace_lightning.json``); files of one's own kept there are refused, never deleted: ``last``
+at ``on_fit_start``, before training, ``epoch_<E>`` when it is written. Exports are swapped in
+by renames from fresh temporary folders beside them, as ``trace_lightning/export.py`` says.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ class ExportPolicy(pl.Callback):
         self.exported: list[Path] = []  # directories written by this rank, in order
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A ``dirpath`` whose ``last`` is not replaceable (see ``check_out``) fails now, not
-        after training."""
+        """A ``dirpath`` whose ``last`` is not replaceable (see ``check_out``: a file, or a
+        folder holding files no export wrote) fails now, not after training."""
         root = self._root(trainer)  # every rank: log_dir is a broadcast
         error, problem = None, None
         if trainer.is_global_zero:

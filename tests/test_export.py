@@ -1,19 +1,24 @@
 """trace_lightning/export.py: the policy as a Hugging Face directory, from a state dict, a
-checkpoint file or a sharded (DCP) checkpoint directory. A real fit that exports through
-``callbacks.ExportPolicy`` and ``trace-lightning-export`` is in test_fit.py."""
+checkpoint file or a sharded (DCP) checkpoint directory; what an export over an existing
+folder replaces (only what an export wrote) and what a failure or a kill leaves. A real fit
+that exports through ``callbacks.ExportPolicy`` and ``trace-lightning-export`` is in
+test_fit.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from trace_lightning.export import (META_FILE, export_checkpoint, is_local_path, main,
-                                    policy_state, read_checkpoint, save_policy)
+from trace_lightning.export import (ELSEWHERE, META_FILE, export_checkpoint, is_local_path,
+                                    main, policy_state, read_checkpoint, replace_dir,
+                                    save_policy)
 from trace_lightning.models import build_tiny_from_corpus
 
 
@@ -44,6 +49,10 @@ def assert_same_weights(out, model, dtype=torch.float32):
     return loaded
 
 
+def listing(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
 def test_saved_policy_loads_with_its_weights_tokenizer_and_record(trained, model_dir, tmp_path):
     out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy",
                       meta={"epochs": 3, "global_step": 12})
@@ -56,9 +65,21 @@ def test_saved_policy_loads_with_its_weights_tokenizer_and_record(trained, model
     assert (AutoTokenizer.from_pretrained(out)(text)["input_ids"]
             == AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"])
     meta = json.loads((out / META_FILE).read_text())
+    del meta["files"]  # see test_the_record_lists_every_file_the_export_wrote
     assert meta == {"policy_path": str(model_dir), "dtype": "float32", "epochs": 3,
                     "global_step": 12}
-    assert not (tmp_path / "policy.partial").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]  # no temporary folder left
+    (tmp_path / "plain").mkdir()  # the usual permissions, not those of its private staging
+    assert out.stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
+def test_the_record_lists_every_file_the_export_wrote(trained, model_dir, tmp_path):
+    """The manifest (``files`` in trace_lightning.json, itself included) is what tells a
+    previous export's files from the user's."""
+    out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy")
+    files = json.loads((out / META_FILE).read_text())["files"]
+    assert files == listing(out)
+    assert {META_FILE, "config.json", "model.safetensors", "tokenizer.json"} <= set(files)
 
 
 def test_dtype_cast_for_serving(trained, model_dir, tmp_path):
@@ -79,7 +100,7 @@ def test_export_dtype_must_be_a_floating_one(trained, model_dir, tmp_path, dtype
              r"bfloat16, float16, float32 or float64")
     with pytest.raises(ValueError, match=match):
         save_policy(trained.state_dict(), model_dir, tmp_path / "x", dtype=dtype)
-    assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
+    assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match=match):  # at configuration, not when training ends
         ExportPolicy(dtype=dtype)
 
@@ -94,10 +115,185 @@ def test_a_failed_export_leaves_the_previous_one_whole(trained, model_dir, tmp_p
 
 def test_exporting_again_replaces_the_previous_export(trained, model_dir, tmp_path):
     out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy", dtype="float16")
-    (tmp_path / "policy.old").mkdir()  # left by an export killed before it deleted it
     save_policy(trained.state_dict(), model_dir, out)
     assert_same_weights(out, trained)  # the second export's (float32) weights
-    assert [p.name for p in tmp_path.iterdir()] == ["policy"]  # no .partial, no .old
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]  # no temporary folder left
+
+
+def test_folders_beside_the_export_named_like_its_temporaries_are_left_alone(
+        trained, model_dir, tmp_path):
+    """The export wrote into ``<out>.partial`` and moved the previous one to ``<out>.old``,
+    deleting whatever was there first: a user's folder of that name was lost outright."""
+    for name in ("policy.partial", "policy.old"):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "sub" / "mine.txt").write_text(f"keep {name}")
+    out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy")  # a new export
+    save_policy(trained.state_dict(), model_dir, out, dtype="bfloat16")  # and over it
+    assert_same_weights(out, trained, dtype=torch.bfloat16)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy", "policy.old",
+                                                         "policy.partial"]
+    for name in ("policy.partial", "policy.old"):
+        assert listing(tmp_path / name) == ["sub/mine.txt"]
+        assert (tmp_path / name / "sub" / "mine.txt").read_text() == f"keep {name}"
+
+
+def test_files_of_ones_own_in_a_previous_export_are_refused_and_kept(trained, model_dir,
+                                                                    tmp_path):
+    """Exporting over a previous export deleted the notes and results kept in it. Now the
+    export stops before any work, naming them; moved out, the export goes ahead."""
+    ckpt = save_checkpoint(tmp_path / "last.ckpt", trained, model_dir)
+    out = tmp_path / "policy"
+    main([str(ckpt), str(out), "--dtype", "bfloat16"])
+    (out / "EVAL_NOTES.md").write_text("my notes")
+    (out / "results").mkdir()
+    (out / "results" / "score.txt").write_text("0.42")
+    (out / "empty").mkdir()
+    before = listing(out)
+    with pytest.raises(SystemExit) as e:
+        main([str(ckpt), str(out)])
+    assert str(e.value) == (
+        f"trace-lightning-export: output directory {out} is a previous export that also holds "
+        f"files no export wrote (EVAL_NOTES.md, empty/, results/score.txt): replacing it would "
+        f"delete them; move them out of {out}, or give another output folder "
+        f"(trace-lightning-export's OUT, ExportPolicy's dirpath)")
+    with pytest.raises(FileExistsError, match="EVAL_NOTES.md, empty/, results/score.txt"):
+        save_policy(trained.state_dict(), model_dir, out)  # ExportPolicy's way
+    assert listing(out) == before and (out / "empty").is_dir()
+    assert (out / "EVAL_NOTES.md").read_text() == "my notes"
+    assert (out / "results" / "score.txt").read_text() == "0.42"
+    assert_same_weights(out, trained, dtype=torch.bfloat16)  # the previous export, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "policy"]
+
+    for name in ("EVAL_NOTES.md", "results", "empty"):
+        (out / name).rename(tmp_path / name)
+    main([str(ckpt), str(out)])
+    assert_same_weights(out, trained)
+
+
+def test_an_export_from_before_manifests_is_replaced_only_if_it_holds_what_exports_write(
+        trained, model_dir, tmp_path):
+    """A trace_lightning.json without ``files``: the top-level files named as
+    save_pretrained names them are the export's (LEGACY_EXPORT_FILES), anything else is the
+    user's."""
+    out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy", dtype="float16")
+    info = json.loads((out / META_FILE).read_text())
+    del info["files"]
+    (out / META_FILE).write_text(json.dumps(info))
+    (out / "EVAL_NOTES.md").write_text("my notes")
+    with pytest.raises(FileExistsError, match=r"also holds files no export wrote "
+                                              r"\(EVAL_NOTES.md\): replacing"):
+        save_policy(trained.state_dict(), model_dir, out)
+    assert_same_weights(out, trained, dtype=torch.float16)
+    (out / "EVAL_NOTES.md").unlink()
+    save_policy(trained.state_dict(), model_dir, out)
+    assert_same_weights(out, trained)
+    assert json.loads((out / META_FILE).read_text())["files"] == listing(out)
+
+
+def test_a_file_or_a_link_as_the_output_is_refused(trained, model_dir, tmp_path):
+    (tmp_path / "model.txt").write_text("keep me")
+    with pytest.raises(FileExistsError) as e:
+        save_policy(trained.state_dict(), model_dir, tmp_path / "model.txt")
+    assert str(e.value) == (f"output directory {tmp_path / 'model.txt'} exists and is a file, "
+                            f"not a folder: replacing it would delete it; move it away, or "
+                            f"{ELSEWHERE}")
+    assert (tmp_path / "model.txt").read_text() == "keep me"
+    # a link to a previous export: the swap would put a folder in the link's place
+    target = save_policy(trained.state_dict(), model_dir, tmp_path / "target")
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(FileExistsError, match=f"link is a symbolic link \\(to {target}\\).*"
+                                              f"give the folder itself \\({target}\\)"):
+        save_policy(trained.state_dict(), model_dir, tmp_path / "link")
+    assert (tmp_path / "link").resolve() == target
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model.txt", "target"]
+
+
+def test_a_file_put_in_the_output_while_exporting_is_refused_and_kept(trained, model_dir,
+                                                                     tmp_path, monkeypatch):
+    """The folder is checked again just before the swap: a file that appeared while the
+    weights were written stops the export instead of being deleted with the previous one."""
+    from transformers import PreTrainedModel
+
+    out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy")
+    save = PreTrainedModel.save_pretrained
+
+    def save_then_user_writes(self, directory, **kwargs):
+        save(self, directory, **kwargs)
+        (out / "notes.txt").write_text("written meanwhile")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_then_user_writes)
+    with pytest.raises(FileExistsError, match=r"no export wrote \(notes.txt\)"):
+        save_policy(trained.state_dict(), model_dir, out, dtype="bfloat16")
+    monkeypatch.undo()
+    assert (out / "notes.txt").read_text() == "written meanwhile"
+    assert_same_weights(out, trained)
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]
+
+
+KILLED_EXPORT_SCRIPT = """
+import os, sys
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+from trace_lightning.export import save_policy
+
+model_dir, out = sys.argv[1], Path(sys.argv[2])
+rename = Path.rename
+
+def killed_after_moving_the_previous_aside(self, target):
+    rename(self, target)
+    if Path(target).parent.name.startswith("policy.old-"):
+        os._exit(9)  # a kill: no except, no finally
+
+Path.rename = killed_after_moving_the_previous_aside
+save_policy(AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), model_dir, out,
+            dtype="bfloat16")
+"""
+
+
+def test_a_kill_between_the_renames_loses_nothing_and_the_next_export_deletes_nothing(
+        trained, model_dir, tmp_path):
+    """Killed with the previous export moved aside and the new one not yet in place: both
+    are whole, in the folders this export made, and a later export leaves them alone."""
+    out = save_policy(trained.state_dict(), model_dir, tmp_path / "policy")
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_EXPORT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(model_dir), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 9, done.stderr[-3000:]
+    assert not out.exists()
+    (old,) = tmp_path.glob("policy.old-*")
+    (partial,) = tmp_path.glob("policy.partial-*")
+    assert_same_weights(old / "policy", trained)  # the previous export, whole
+    assert json.loads((partial / "policy" / META_FILE).read_text())["dtype"] == "bfloat16"
+    leftovers = {p: listing(p) for p in (old, partial)}
+    save_policy(trained.state_dict(), model_dir, out)
+    assert_same_weights(out, trained)
+    assert {p: listing(p) for p in (old, partial)} == leftovers
+
+
+def test_replace_dir_moves_the_previous_folder_back_when_the_swap_fails(tmp_path, monkeypatch):
+    """The folder swap the demo's model uses too: renames only, into fresh names."""
+    out, new = tmp_path / "model", tmp_path / "staging"
+    for folder, text in ((out, "previous"), (new, "new"), (tmp_path / "model.old", "mine")):
+        folder.mkdir()
+        (folder / "f.txt").write_text(text)
+    rename = Path.rename
+
+    def failing_rename(self, target):
+        if self == new:
+            raise OSError("simulated failure moving the new folder into place")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="simulated"):
+        replace_dir(new, out)
+    monkeypatch.undo()
+    assert (out / "f.txt").read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.old", "staging"]
+    replace_dir(new, out)
+    assert (out / "f.txt").read_text() == "new"
+    assert (tmp_path / "model.old" / "f.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.old"]
 
 
 def test_a_failed_replace_leaves_the_previous_export_in_place(trained, model_dir, tmp_path,
@@ -108,7 +304,7 @@ def test_a_failed_replace_leaves_the_previous_export_in_place(trained, model_dir
     rename = Path.rename
 
     def failing_rename(self, target):
-        if self.name.endswith(".partial"):
+        if self.parent.name.startswith("policy.partial-"):
             raise OSError("simulated failure moving the new export into place")
         return rename(self, target)
 
@@ -117,7 +313,7 @@ def test_a_failed_replace_leaves_the_previous_export_in_place(trained, model_dir
         save_policy(trained.state_dict(), model_dir, out, dtype="bfloat16")
     monkeypatch.undo()
     assert_same_weights(out, trained)  # the previous (float32) export, whole
-    assert not (tmp_path / "policy.old").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]  # its temporaries removed
 
 
 def test_a_failed_save_leaves_the_previous_export_untouched(trained, model_dir, tmp_path,
@@ -138,7 +334,7 @@ def test_a_failed_save_leaves_the_previous_export_untouched(trained, model_dir, 
     monkeypatch.undo()
     assert sorted(p.name for p in out.iterdir()) == before
     assert_same_weights(out, trained)
-    assert not (tmp_path / "policy.old").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]  # the half export removed
 
 
 def test_the_generation_config_comes_from_the_policy_path(trained, model_dir, tmp_path):
@@ -268,9 +464,9 @@ def test_only_an_empty_directory_or_a_previous_export_is_replaced(trained, model
     with pytest.raises(SystemExit) as e:  # a directory of the user's own
         main([str(ckpt), str(tmp_path / "notes")])
     assert str(e.value) == (f"trace-lightning-export: output directory {tmp_path / 'notes'} "
-                            f"exists and is not a previous export (no {META_FILE} in it), so "
-                            f"replacing it would delete its files; choose a new directory, or "
-                            f"delete {tmp_path / 'notes'} yourself")
+                            f"exists and is not a previous export (no {META_FILE} in it): "
+                            f"replacing it would delete its files (todo.txt); move them out "
+                            f"of {tmp_path / 'notes'}, or {ELSEWHERE}")
     with pytest.raises(FileExistsError, match="notes exists and is not a previous export"):
         save_policy(trained.state_dict(), model_dir, tmp_path / "notes")  # ExportPolicy's way
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
@@ -284,14 +480,13 @@ def test_only_an_empty_directory_or_a_previous_export_is_replaced(trained, model
     with pytest.raises(SystemExit, match="empty holds .*empty, which this export reads"):
         main([str(ckpt), str(tmp_path / "empty"), "--policy-path", str(tmp_path / "empty")])
     assert_same_weights(tmp_path / "empty", trained, dtype=torch.bfloat16)
-    # <out>.old, where a previous export waits while the new one is renamed into place, is
-    # cleared only when it is an export (a killed run's), not a backup of the user's own
+    # <out>.old, where a previous export once waited while the new one was renamed into
+    # place, is a name of the user's like any other now: left alone
     (tmp_path / "empty.old").mkdir()
     (tmp_path / "empty.old" / "backup.txt").write_text("keep me")
-    with pytest.raises(SystemExit, match="empty.old exists and is not a previous export"):
-        main([str(ckpt), str(tmp_path / "empty")])
-    assert (tmp_path / "empty.old" / "backup.txt").exists()
-    assert_same_weights(tmp_path / "empty", trained, dtype=torch.bfloat16)
+    main([str(ckpt), str(tmp_path / "empty")])
+    assert (tmp_path / "empty.old" / "backup.txt").read_text() == "keep me"
+    assert_same_weights(tmp_path / "empty", trained)
 
 
 def broken_checkpoints(tmp_path: Path, trained, model_dir) -> dict[str, Path]:

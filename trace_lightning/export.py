@@ -11,20 +11,41 @@ Two ways out of a run:
 
 The directory holds the policy's config and weights (safetensors), the tokenizer and the
 generation config (eos ids, sampling defaults) from the run's ``policy_path``, and
-``trace_lightning.json`` (what it was exported from). It is written next to its destination
-and renamed into place, so an interrupted export never leaves half a model where a complete
-one was. Only an empty directory or a previous export (one holding ``trace_lightning.json``)
-is replaced, never one that holds the checkpoint or the policy_path being read.
+``trace_lightning.json``: what it was exported from, and ``files``, the manifest of every file
+the export wrote (itself included).
+
+What an export guarantees:
+
+- It replaces only what an export wrote. An existing ``out`` must be an empty folder or a
+  previous export holding nothing but its manifest's files; anything else there (notes,
+  results, a folder of one's own) is refused before any work, naming the files and the fix
+  (move them out, or export elsewhere), and checked again just before the swap. An export
+  from before manifests (a ``trace_lightning.json`` without ``files``) counts as the
+  export's only the top-level files named as ``save_pretrained`` names a causal LM's and
+  its tokenizer's (``LEGACY_EXPORT_FILES``). A file, a symbolic link, or a folder that is or
+  holds the checkpoint or policy_path being read is refused too.
+- Nothing is lost at any moment. The new export is written in a fresh folder beside ``out``
+  (``<out>.partial-XXXXXXXX/``, made by ``tempfile.mkdtemp``) and swapped in by renames
+  (``replace_dir``); a complete model is at ``out`` at every moment, or, killed between the
+  two renames, inside ``<out>.old-XXXXXXXX/``.
+- Nothing else is deleted: no fixed temporary name is taken (a ``<out>.partial`` or
+  ``<out>.old`` of one's own is left alone), and only the folders this process made are
+  cleaned up, on failure too. What a kill leaves (``<out>.partial-*`` holding a half-written
+  export, or ``<out>.old-*`` holding the previous one) no later export deletes: delete it,
+  or move the previous export back, yourself.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
+import logging
 import shutil
+import tempfile
 import textwrap
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,8 +57,16 @@ from trace_lightning.hub import is_local_path
 if TYPE_CHECKING:
     from transformers import GenerationConfig
 
+log = logging.getLogger(__name__)
+
 POLICY_PREFIX = "policy."  # TraceModule.policy in the LightningModule's state dict
 META_FILE = "trace_lightning.json"
+# What an export from before manifests wrote, as save_pretrained names a causal LM's config,
+# weights and generation config and a tokenizer's files: top-level files only
+LEGACY_EXPORT_FILES = (META_FILE, "config.json", "generation_config.json", "model*.safetensors",
+                       "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
+                       "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt")
+ELSEWHERE = "give another output folder (trace-lightning-export's OUT, ExportPolicy's dirpath)"
 EXPORT_DTYPES = "bfloat16, float16, float32 or float64"
 
 
@@ -79,7 +108,7 @@ def save_policy(state: dict[str, torch.Tensor], policy_path: str | Path, out: st
         state: the policy's full weights.
         policy_path: the run's ``model.policy_path``: its config (architecture) and tokenizer.
         out: the directory to write; if it exists it must be empty or a previous export
-            (see ``check_out``), which is replaced.
+            holding only the files an export writes (see ``check_out``), which is replaced.
         dtype: cast the weights ("bfloat16", "float16", "float32", "float64"); None keeps
             the trained dtype (fp32 master weights stay fp32).
         meta: more to record in ``trace_lightning.json`` (step, epoch, source).
@@ -96,27 +125,38 @@ def save_policy(state: dict[str, torch.Tensor], policy_path: str | Path, out: st
     with torch.device("meta"):  # no second copy of the weights: load_state_dict assigns them
         model = AutoModelForCausalLM.from_config(config, dtype=weight_dtype)
     _load_exactly(model, state, policy_path)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     # a model built from its config carries a default generation config: without the
     # source's, generate() and vLLM would lose its eos ids and sampling defaults
     generation = _generation_config(policy_path)
     if generation is not None:
         model.generation_config = generation
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(policy_path).save_pretrained(tmp)
-    info = {"policy_path": str(policy_path), "dtype": str(weight_dtype).removeprefix("torch."),
-            **(meta or {})}
-    (tmp / META_FILE).write_text(json.dumps(info, indent=1) + "\n")
-    replace_dir(tmp, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh folder of this process's (mode 0700 while it is written); the export inside it
+    # gets the usual permissions
+    staging = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
+    tmp = staging / out.name
+    try:
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(policy_path).save_pretrained(tmp)
+        files = sorted([*(p.relative_to(tmp).as_posix() for p in tmp.rglob("*")
+                          if not p.is_dir()), META_FILE])
+        info = {"policy_path": str(policy_path),
+                "dtype": str(weight_dtype).removeprefix("torch."), **(meta or {}),
+                "files": files}
+        (tmp / META_FILE).write_text(json.dumps(info, indent=1) + "\n")
+        check_out(out, [policy_path])  # again: what was put there meanwhile is refused too
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # empty, or a failed export's half
     return out
 
 
 def check_out(out: str | Path, sources: Iterable[str | Path | None] = ()) -> None:
-    """Refuse an ``out`` whose replacement would lose data: it (and ``<out>.old``, which
-    ``_replace`` clears) may be missing, an empty directory or a previous export (holding
-    ``trace_lightning.json``), and may not be or hold one of ``sources`` (the checkpoint and
-    policy_path being read)."""
+    """Refuse, with a FileExistsError naming the folder, why and the fix, an ``out`` whose
+    replacement would lose data. It may be missing, an empty folder or a previous export
+    holding nothing ``foreign_files`` finds; not a file, a symbolic link (the swap would
+    replace the link, not its folder), nor one of ``sources`` (the checkpoint and policy_path
+    being read) or a folder above one."""
     out = Path(out)
     for source in sources:
         if source is None or not Path(source).exists():  # None, or a hub id
@@ -126,32 +166,99 @@ def check_out(out: str | Path, sources: Iterable[str | Path | None] = ()) -> Non
             raise FileExistsError(
                 f"output directory {out} holds {source}, which this export reads: replacing "
                 f"{out} would delete it; choose a new directory for the export")
-    # <out>.old: where a previous export waits while the new one is renamed into place
-    for path in (out, out.with_name(out.name + ".old")):
-        if path.exists() and not (path.is_dir() and (not any(path.iterdir())
-                                                     or (path / META_FILE).is_file())):
-            raise FileExistsError(
-                f"output directory {path} exists and is not a previous export (no {META_FILE} "
-                f"in it), so replacing it would delete its files; choose a new directory, or "
-                f"delete {path} yourself")
+    if out.is_symlink():
+        raise FileExistsError(
+            f"output directory {out} is a symbolic link (to {out.readlink()}): an export "
+            f"replaces its folder by renames, which would replace the link, not what it "
+            f"points to; give the folder itself ({out.resolve()}), or {ELSEWHERE}")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(
+            f"output directory {out} exists and is a file, not a folder: replacing it would "
+            f"delete it; move it away, or {ELSEWHERE}")
+    foreign = foreign_files(out)
+    if not foreign:
+        return
+    names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
+                                      else "")
+    if not (out / META_FILE).is_file():
+        raise FileExistsError(
+            f"output directory {out} exists and is not a previous export (no {META_FILE} in "
+            f"it): replacing it would delete its files ({names}); move them out of {out}, "
+            f"or {ELSEWHERE}")
+    raise FileExistsError(
+        f"output directory {out} is a previous export that also holds files no export wrote "
+        f"({names}): replacing it would delete them; move them out of {out}, or {ELSEWHERE}")
+
+
+def foreign_files(out: Path) -> list[str]:
+    """What in the folder ``out`` no export wrote, as sorted paths relative to it (a folder
+    with nothing in it ends in ``/``): all of it where it holds no ``trace_lightning.json``;
+    what its ``files`` (the manifest) does not list; for an export from before manifests
+    (no ``files``, or a record that does not parse), what ``LEGACY_EXPORT_FILES`` does not
+    name."""
+    if not (out / META_FILE).is_file():
+        return list(_entries(out, out))
+    listed = _manifest(out)
+    if listed is None:
+        return [rel for rel in _entries(out, out) if not any(
+            fnmatch.fnmatchcase(rel, pattern) and "/" not in rel
+            for pattern in LEGACY_EXPORT_FILES)]
+    return [rel for rel in _entries(out, out) if rel not in listed]
+
+
+def _entries(folder: Path, root: Path) -> Iterator[str]:
+    """Every file, link and empty folder under ``folder``, relative to ``root``, sorted."""
+    for path in sorted(folder.iterdir()):
+        rel = path.relative_to(root).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            inner = list(_entries(path, root))
+            yield from inner or [f"{rel}/"]
+        else:
+            yield rel
+
+
+def _manifest(out: Path) -> set[str] | None:
+    """The ``files`` listed in ``out``'s ``trace_lightning.json``, or None where it lists
+    none (an export from before manifests) or does not parse."""
+    try:
+        info = json.loads((out / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    files = info.get("files") if isinstance(info, dict) else None
+    if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
+        return None
+    return set(files)
 
 
 def replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out`` by renames only: a previous export is moved
-    aside to ``<out>.old`` (deleted once the new one is in place) and moved back if the new
-    one cannot be, so a complete model is at ``out``, or (killed between the two renames) at
-    ``<out>.old``, at every moment."""
-    old = out.with_name(out.name + ".old")
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)  # a killed export's (check_out looked)
-        out.rename(old)
+    """Move the finished folder ``tmp`` to ``out`` (on one filesystem) by renames only.
+
+    A folder already at ``out`` is moved aside into a fresh folder beside it,
+    ``<out>.old-XXXXXXXX/`` (``tempfile.mkdtemp``: no name of the user's is taken or
+    cleared), moved back if ``tmp`` cannot be moved in, and deleted, with that fresh folder,
+    once it is. So a complete folder is at ``out`` at every moment, or (killed between the
+    two renames) at ``<out>.old-XXXXXXXX/<out name>``, which nothing deletes then: move it
+    back yourself. Everything at ``out`` is deleted: the caller checks that it may be."""
+    out = Path(out)
+    if not (out.exists() or out.is_symlink()):
+        tmp.rename(out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
+    previous = aside / out.name
+    out.rename(previous)
     try:
         tmp.rename(out)
     except BaseException:
-        if old.exists() and not out.exists():
-            old.rename(out)
+        if not (out.exists() or out.is_symlink()):
+            previous.rename(out)
+            aside.rmdir()
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
+    if aside.exists():
+        log.warning("could not delete all of %s, the folder %s replaced: delete it yourself",
+                    aside, out)
 
 
 def _generation_config(policy_path: str | Path) -> GenerationConfig | None:
@@ -319,10 +426,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="trace-lightning-export",
         description="Write a trace-lightning checkpoint's policy as a Hugging Face directory "
-                    "(transformers, vLLM).")
+                    "(transformers, vLLM).",
+        epilog="The export is written in a fresh folder beside OUT (OUT.partial-XXXXXXXX) and "
+               "swapped in by renames: killed at any moment, it leaves a complete model at "
+               "OUT or, between the two renames, the previous one in OUT.old-XXXXXXXX. It "
+               "replaces an empty OUT or a previous export, and deletes nothing else.")
     p.add_argument("ckpt", help="last.ckpt (a file) or a sharded FSDP checkpoint directory")
-    p.add_argument("out", help=f"directory to write; if it exists it must be empty or a "
-                                f"previous export (holding {META_FILE}), which is replaced")
+    p.add_argument("out", metavar="OUT",
+                   help=f"directory to write; if it exists it must be empty or a previous "
+                        f"export holding only what an export writes (the files listed in its "
+                        f"{META_FILE}), which is replaced by renames; other files there are "
+                        f"refused, never deleted")
     p.add_argument("--dtype", default=None,
                    help="cast weights, e.g. bfloat16 (default: as trained)")
     p.add_argument("--policy-path", default=None,
