@@ -156,6 +156,17 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
     for n in searched:
         k = sum(n.policy_mask)
         assert n.policy_mask == [1] * k + [0] * (len(n.token_ids) - k)
+    # on these real trees the packed update is the per-leaf one (float64), whole and split
+    from test_tree_packing import assert_packed_equals_per_leaf, in_float64
+    from transformers import AutoModelForCausalLM
+
+    branched = [t for t in ta + epoch0 if len(t.leaves()) > 1]
+    assert any(len(t.bare_rollouts()) < len(t.leaves()) for t in branched)  # continuations
+    demo_policy = in_float64(AutoModelForCausalLM.from_pretrained(demo_dir / "model"))
+    for kind in ("tree_grpo", "segment"):
+        assert_packed_equals_per_leaf(demo_policy, ta + epoch0, kind, rtol=1e-10)
+    longest = max(len(s.input_ids) for t in ta for s in t.flatten())
+    assert_packed_equals_per_leaf(demo_policy, ta, "grpo", rtol=1e-10, max_tokens=longest)
 
 
 def test_fit_exports_the_trained_policy_for_transformers(demo_dir, tmp_path):

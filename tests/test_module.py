@@ -333,22 +333,29 @@ def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
 
 
 def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
-    """The rollout's predictions featurise stage 1's roots, then stage 2's bare rollouts; the
-    predictor's fit after the rollout runs only the paths they did not (the continuations),
-    and fits on the same features a fresh computation gives (the weights have not moved)."""
+    """The rollout's predictions featurise stage 1's roots, then stage 2's trees (one packed
+    unit each, its two bare rollouts); the predictor's fit after the rollout runs only the
+    paths they did not (the continuations), and fits on the same features a fresh
+    computation gives (the weights have not moved)."""
     import types
 
     from trace_lightning import features
     from trace_lightning import module as module_lib
 
-    ran: list[list[int]] = []  # every sequence the policy featurised
-    last_hidden_at = features._last_hidden_at
+    ran: list[list[int]] = []  # every prompt or tree unit the policy featurised
+    last_hidden_at, layout = features._last_hidden_at, features.layout
 
     def spy(policy, sequences, positions, batch_tokens):
         ran.extend(sequences)
         return last_hidden_at(policy, sequences, positions, batch_tokens)
 
+    def spy_layout(tree, ends):
+        unit = layout(tree, ends)
+        ran.append(unit.input_ids.tolist())
+        return unit
+
     monkeypatch.setattr(features, "_last_hidden_at", spy)
+    monkeypatch.setattr(features, "layout", spy_layout)
     seen = {}
     training_batch = module_lib.training_batch
 
@@ -363,7 +370,7 @@ def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
             trees = mixed_trees()  # 6 trees x 2 bare rollouts of two turns
             roots = [RolloutTree.new(t.tree_id, "q", ["a"], t.root.token_ids) for t in trees]
             pl_module.predict_trees(roots)  # stage 1: 6 prompts
-            pl_module.predict_trees(trees)  # stage 2: 12 bare paths (roots known: no path)
+            pl_module.predict_trees(trees)  # stage 2: 6 trees (roots known, not read again)
             seen["predicted"] = len(ran)
             for t in trees:  # one continuation from each tree's first turn of rollout 0
                 first = t.root.children[0]
@@ -379,7 +386,7 @@ def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
 
     _fit(TraceModule(policy_path=str(policy_dir), lr=1e-4), [_minibatch(1)],
          callbacks=[Rollout()])
-    assert seen["predicted"] == 6 + 12
+    assert seen["predicted"] == 6 + 6
     assert sorted(seen["fit"]) == seen["continuations"] and len(seen["fit"]) == 6
     # every node's features, those kept from the predictions included, are the weights'
     assert seen["fitted"].keys() >= seen["fresh"].keys()

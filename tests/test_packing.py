@@ -108,7 +108,7 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
     step = RolloutStep(epoch=3, trees=[], candidates=12, root_plan=[1] * 12, sequences=seqs,
                        budget=Budget(leaves=12))
     dm = TraceDataModule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
-                         ppo_epochs=3)
+                         ppo_epochs=3, tree_packing=False)
     dm.tokenizer = SimpleNamespace(pad_token_id=0)
     batches = dm._batches(step)
     assert len(batches) == 6  # 2 mini-batches x 3 passes, one optimizer step each

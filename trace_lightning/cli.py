@@ -59,6 +59,7 @@ class TraceCLI(LightningCLI):
         # one source for values that data and model share
         parser.link_arguments("model.policy_path", "data.policy_path")
         parser.link_arguments("model.advantage", "data.advantage")
+        parser.link_arguments("model.tree_packing", "data.tree_packing")
 
     def _parse_ckpt_path(self) -> None:
         """Lightning's replaces the parsed ``--model.*`` values by a checkpoint file's

@@ -37,11 +37,11 @@ from trace_lightning.engines.base import SamplingConfig
 from trace_lightning.environment import SEARCH_R1_INSTRUCTION, SearchEnvironment
 from trace_lightning.export import checkpoint_meta
 from trace_lightning.hub import local_model_dir
-from trace_lightning.packing import (collate, equalise_over_ranks, pack_microbatches,
-                                     split_minibatches)
+from trace_lightning.packing import equalise_over_ranks, leaf_minibatches
 from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Retriever
 from trace_lightning.rollout import AgentLoop, sample_trees
 from trace_lightning.tree import RolloutTree, write_jsonl
+from trace_lightning.tree_packing import tree_minibatches, update_units
 from trace_lightning.validation import resampled_loader, val_row
 
 # --ckpt_path values Lightning resolves itself (not files)
@@ -74,7 +74,10 @@ class TraceDataModule(L.LightningDataModule):
             ``prompt``, ``trace``, ``oracle``).
         candidates_per_step: prompts the allocator chooses from each step.
         advantage: tree advantage (linked from ``model.advantage``).
-        max_tokens_per_microbatch: padded tokens per micro-batch (packing by token count).
+        tree_packing: pack each tree as one sequence, mini-batches of whole trees (linked
+            from ``model.tree_packing``); False: one row per leaf, mini-batches of leaves.
+        max_tokens_per_microbatch: padded tokens per micro-batch (packing by token count;
+            with ``tree_packing``, each tree's tokens counted once).
         minibatches_per_step: optimizer steps per pass over the epoch's leaves (PPO-style
             mini-batches).
         ppo_epochs: passes over the epoch's leaves, each split into mini-batches afresh
@@ -97,8 +100,8 @@ class TraceDataModule(L.LightningDataModule):
                  val_temperature: float = 0.0, val_samples: int = 1,
                  allocator: Allocator | None = None,
                  candidates_per_step: int = 64, advantage: str = "tree_grpo",
-                 max_tokens_per_microbatch: int = 8192, minibatches_per_step: int = 1,
-                 ppo_epochs: int = 1,
+                 tree_packing: bool = True, max_tokens_per_microbatch: int = 8192,
+                 minibatches_per_step: int = 1, ppo_epochs: int = 1,
                  train_limit: int | None = None, trees_dir: str | None = None,
                  demo: DemoConfig | None = None, oracle_samples: int = 8, seed: int = 0):
         super().__init__()
@@ -117,6 +120,7 @@ class TraceDataModule(L.LightningDataModule):
         self.allocator = allocator or Allocator("trace", roots=16, continuations=1,
                                                 max_rollouts_per_prompt=8, group_size=4)
         self.candidates_per_step, self.advantage = candidates_per_step, advantage
+        self.tree_packing = tree_packing
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.minibatches_per_step = minibatches_per_step
         self.ppo_epochs = ppo_epochs
@@ -551,24 +555,28 @@ class TraceDataModule(L.LightningDataModule):
 
     def _batches(self, step: RolloutStep) -> list[dict]:
         """Mini-batches of token-packed micro-batches, ``ppo_epochs`` passes over the step's
-        leaves (each pass split afresh); equal counts on every rank."""
+        trees (``tree_packing``: whole trees, each forwarded once) or leaves, each pass split
+        afresh; equal counts on every rank."""
         pad = self.tokenizer.pad_token_id
-        seqs = step.sequences
-        minis = []
+        if self.tree_packing:
+            leaves: dict[str, list] = {}
+            for s in step.sequences:
+                leaves.setdefault(s.tree_id, []).append(s)
+            units = [update_units(t, leaves[t.tree_id], self.max_tokens_per_microbatch)
+                     for t in step.trees if t.tree_id in leaves]
+        out = []
         for e in range(self.ppo_epochs):
             seed = step.epoch * self.ppo_epochs + e  # ppo_epochs=1: the split of earlier runs
-            minis += split_minibatches(seqs, self.minibatches_per_step, seed=seed)
-        out = []
-        for idx in minis:
-            mini = [seqs[i] for i in idx]
-            groups = pack_microbatches(mini, self.max_tokens_per_microbatch) if mini else []
-            micro = [collate([mini[i] for i in g], pad,
-                             advantages=[mini[i].token_advantages for i in g]) for g in groups]
-            # the temperature the old log-probs were sampled at: the update recomputes them so
-            out.append({"micro": micro, "temperature": self.sampling.temperature,
-                        "n_tokens": float(sum(sum(s.policy_mask) for s in mini))})
+            if self.tree_packing:
+                out += tree_minibatches(units, self.minibatches_per_step,
+                                        self.max_tokens_per_microbatch, pad, seed)
+            else:
+                out += leaf_minibatches(step.sequences, self.minibatches_per_step,
+                                        self.max_tokens_per_microbatch, pad, seed)
+        for m in out:  # the temperature the old log-probs were sampled at: the update
+            m["temperature"] = self.sampling.temperature  # recomputes them at it
         device = self.trainer.strategy.root_device if self.trainer is not None else None
-        return equalise_over_ranks(out, self.tokenizer.pad_token_id, device)
+        return equalise_over_ranks(out, pad, device)
 
     def val_dataloader(self) -> list[DataLoader]:
         """One loader per validation set; its rollouts are sampled when it is iterated.

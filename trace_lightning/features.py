@@ -3,8 +3,9 @@
 - ``hidden`` (default): the policy's last hidden state (after the final norm, before
   ``lm_head``) at the last token of a node's prefix: the prompt's last token for the root,
   the last token of a turn (after its observation) for a turn node. A causal model's state at
-  position i depends only on tokens <= i, so one forward pass over a root-to-leaf sequence
-  gives the feature of every prefix on that path (``node_features``).
+  position i depends only on the tokens it attends to, so one forward pass over a tree
+  packed as one sequence (``tree_packing``) gives the feature of every node of the tree
+  (``node_features``).
 - ``bag_of_tokens``: a hashed, L1-normalised bag of the prefix's token ids; no policy forward.
 
 Depth is not part of the feature vector; it enters through the predictor's depth embedding.
@@ -12,7 +13,7 @@ Depth is not part of the feature vector; it enters through the predictor's depth
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Literal
 
@@ -22,26 +23,24 @@ from transformers import PreTrainedModel, PretrainedConfig
 
 from trace_lightning.packing import pack_lengths
 from trace_lightning.tree import RolloutTree
+from trace_lightning.tree_packing import (TreeUnit, attention_inputs, collate_units, layout,
+                                          pack_rows, split_ends)
 
 NodeKey = tuple[str, int]  # (tree_id, node_id)
 FeaturiserKind = Literal["hidden", "bag_of_tokens"]
 
 # ---- features: hidden ----------------------------------------------------------------------
 @torch.no_grad()
-def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
-                    positions: list[list[int]], batch_tokens: int) -> list[Tensor]:
-    """The policy's last hidden state of ``sequences[i]`` at each of ``positions[i]``.
+def _hidden_states(policy: PreTrainedModel, batches: list[dict[str, Tensor]],
+                   take: Callable[[int, Tensor], None]) -> None:
+    """Run the policy's decoder on each batch and hand ``take(i, hidden (B, T, D))`` the final
+    hidden states (after the final norm, before ``lm_head``) of batch ``i``.
 
-    Returns one float32 CPU tensor (len(positions[i]), D) per sequence. Runs the decoder body
-    (``policy.get_decoder()``), not ``lm_head``: no vocabulary-sized logits are computed.
-    A policy wrapped whole by FSDP runs through its wrapper instead (the wrapper gathers
-    the embedding and final norm it owns), reads ``hidden_states[-1]`` and keeps the LM
-    head to the last row (``logits_to_keep=1``).
-
-    Batches are right-padded and passed without an attention mask: under causal attention a
-    real token never sees the padding after it, so its hidden state is the same (tested), and
-    SDPA takes its causal fast path (7% less time here on CPU for 256 sequences of 40-400
-    tokens; the module's training forward does the same).
+    A batch holds ``input_ids`` and, for packed trees, what ``tree_packing.attention_inputs``
+    reads. Runs the decoder body (``policy.get_decoder()``): no vocabulary-sized logits. A
+    policy wrapped whole by FSDP runs through its wrapper instead (the wrapper gathers the
+    embedding and final norm it owns), reads ``hidden_states[-1]`` and keeps the LM head to
+    the last row (``logits_to_keep=1``).
 
     Under FSDP every forward is a collective (each wrapped layer gathers its shards), yet each
     rank featurises its own trees: ranks agree on the most forwards any of them needs, and
@@ -61,28 +60,49 @@ def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
     else:
         decoder = policy.get_decoder()
         device = policy.device
-    out: list[Tensor] = [torch.empty(0)] * len(sequences)
-    groups = pack_lengths([len(s) for s in sequences], batch_tokens)
-    forwards = len(groups)
+    forwards = len(batches)
     if isinstance(policy, FSDP) and dist.is_initialized() and dist.get_world_size() > 1:
         most = torch.tensor([forwards], device=device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         forwards = int(most.item())
     try:
-        for _ in range(forwards - len(groups)):  # to match other ranks' collectives
+        for _ in range(forwards - len(batches)):  # to match other ranks' collectives
             decoder(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
-        for group in groups:
-            max_len = max(len(sequences[i]) for i in group)
-            ids = torch.zeros(len(group), max_len, dtype=torch.long)  # (B, T) right-padded
-            for row, i in enumerate(group):
-                ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
-            hidden = decoder(input_ids=ids.to(device),
-                             use_cache=False).last_hidden_state  # (B, T, D)
-            for row, i in enumerate(group):
-                pos = torch.tensor(positions[i], device=hidden.device)  # (K,)
-                out[i] = hidden[row, pos].float().cpu()  # (K, D)
+        for i, batch in enumerate(batches):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            hidden = decoder(input_ids=batch["input_ids"], use_cache=False,
+                             **attention_inputs(policy, batch)).last_hidden_state  # (B, T, D)
+            take(i, hidden)
     finally:
         policy.train(was_training)
+
+
+def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
+                    positions: list[list[int]], batch_tokens: int) -> list[Tensor]:
+    """The policy's last hidden state of ``sequences[i]`` at each of ``positions[i]``: one
+    float32 CPU tensor (len(positions[i]), D) per sequence.
+
+    Batches are right-padded and passed without an attention mask: under causal attention a
+    real token never sees the padding after it, so its hidden state is the same (tested), and
+    SDPA takes its causal fast path (7% less time here on CPU for 256 sequences of 40-400
+    tokens; the module's training forward does the same).
+    """
+    out: list[Tensor] = [torch.empty(0)] * len(sequences)
+    groups = pack_lengths([len(s) for s in sequences], batch_tokens)
+    batches = []
+    for group in groups:
+        ids = torch.zeros(len(group), max(len(sequences[i]) for i in group),
+                          dtype=torch.long)  # (B, T) right-padded
+        for row, i in enumerate(group):
+            ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
+        batches.append({"input_ids": ids})
+
+    def take(g: int, hidden: Tensor) -> None:
+        for row, i in enumerate(groups[g]):
+            pos = torch.tensor(positions[i], device=hidden.device)  # (K,)
+            out[i] = hidden[row, pos].float().cpu()  # (K, D)
+
+    _hidden_states(policy, batches, take)
     return out
 
 
@@ -95,11 +115,12 @@ def node_features(policy: PreTrainedModel, trees: list[RolloutTree], batch_token
                   known: Mapping[NodeKey, Tensor] | None = None) -> dict[NodeKey, Tensor]:
     """``hidden`` features of every node of ``trees``: {(tree_id, node_id): (D,) float32}.
 
-    One forward pass per root-to-tip path (a tip is a node without children: every leaf, and
-    a root or prefix nothing was sampled from yet); every node on the path is read off the
-    same pass at its last token. A node on several paths is taken from the first (tips in id
-    order). Paths whose nodes are all in ``known`` are skipped, and ``known`` nodes are not
-    recomputed (pass the stage-2 features back in after the continuations).
+    One forward pass per tree, packed as one sequence (``tree_packing``: every node's tokens
+    once, positions along each path, an attention mask of ancestors); every node is read at
+    its prefix's last token. A tree longer than ``batch_tokens`` splits at subtree boundaries
+    (a node in several parts is read from the first). Nodes in ``known`` are not recomputed,
+    and a tree's branches whose nodes are all known are left out (pass the stage-2 features
+    back in after the continuations).
 
     Args:
         policy: a causal LM; run in eval mode without gradients, its mode restored after.
@@ -110,34 +131,39 @@ def node_features(policy: PreTrainedModel, trees: list[RolloutTree], batch_token
     if batch_tokens < 1:
         raise ValueError(f"batch_tokens ({batch_tokens}) must be >= 1")
     out: dict[NodeKey, Tensor] = dict(known or {})
-    sequences: list[list[int]] = []
-    positions: list[list[int]] = []
-    keys: list[list[NodeKey]] = []
     done: dict[str, set[int]] = {}
     for tree_id, node_id in out:
         done.setdefault(tree_id, set()).add(node_id)
+    units: list[TreeUnit] = []
+    wanted: list[list[int]] = []  # per unit: the nodes read from it
     for tree in trees:
         if not tree.root.token_ids:
             raise ValueError(f"tree {tree.tree_id} has an empty prompt; the hidden featuriser "
                              f"reads the prompt's last token")
-        taken = done.get(tree.tree_id, set())
-        for tip in _tips(tree):
-            path = tree.path(tip)
-            if all(n.id in taken for n in path):
-                continue
-            ends = torch.tensor([len(n.token_ids) for n in path]).cumsum(0) - 1  # (L,)
-            pos, ks = [], []
-            for n, end in zip(path, ends.tolist()):
-                if n.id not in taken:
-                    taken.add(n.id)
-                    pos.append(end)
-                    ks.append((tree.tree_id, n.id))
-            sequences.append([t for n in path for t in n.token_ids])
-            positions.append(pos)
-            keys.append(ks)
-    for ks, feats in zip(keys, _last_hidden_at(policy, sequences, positions, batch_tokens)):
-        for k, f in zip(ks, feats):
-            out[k] = f  # (D,)
+        taken = done.setdefault(tree.tree_id, set())
+        tips = [tip for tip in _tips(tree) if any(n.id not in taken for n in tree.path(tip))]
+        for ends in split_ends(tree, tips, batch_tokens) if tips else []:
+            unit = layout(tree, ends)
+            nodes = [i for i in unit.last if i not in taken]
+            taken.update(nodes)
+            units.append(unit)
+            wanted.append(nodes)
+    groups = pack_rows([len(u) for u in units], batch_tokens)
+    batches, members = [], []
+    for rows in groups:
+        batch = collate_units([[units[j] for j in row] for row in rows], pad_id=0)
+        batches.append({k: batch[k] for k in ("input_ids", "position_ids", "subtree_end")})
+        members.append([(j, *o) for j, o in zip((j for row in rows for j in row),
+                                                batch["offsets"].tolist())])
+
+    def take(g: int, hidden: Tensor) -> None:
+        for j, row, offset in members[g]:
+            u = units[j]
+            pos = torch.tensor([offset + u.last[i] for i in wanted[j]], device=hidden.device)
+            for i, f in zip(wanted[j], hidden[row, pos].float().cpu()):  # (K, D)
+                out[(u.tree_id, i)] = f  # (D,)
+
+    _hidden_states(policy, batches, take)
     return out
 
 

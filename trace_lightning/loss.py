@@ -25,6 +25,11 @@ Numerical guards as in verl: ``logp - old`` and ``ref - logp`` are clamped to [-
 before ``exp``, and masked positions are zeroed *before* ``exp``, so a masked token with a
 huge ratio can produce neither ``inf * 0 = nan`` nor a gradient.
 
+Packed trees: a token shared by several leaves (``tree_packing``) stands for one (leaf,
+token) pair per leaf through it; ``weighted_policy_loss`` takes each token's pair count and
+its leaves' summed positive and negative advantages and gives the per-leaf loss, KL and
+statistics exactly (``policy_loss`` is it with one pair per mask token).
+
 Micro-batching: pass ``normalizer`` = the whole mini-batch's mask tokens; each micro-batch's
 loss is then its sum divided by that count, and summing the micro-batch losses (or
 accumulating their gradients) gives exactly the mini-batch loss.
@@ -121,8 +126,8 @@ def row_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool
             (``max(1, chunk_elements // V)`` rows).
 
     Returns:
-        ``logp (N,)`` float32 with gradient to ``logits`` (in ``logits``' dtype), and
-        ``entropy (N,)`` float32 or ``None``.
+        ``logp (N,)`` float32 (float64 for float64 logits) with gradient to ``logits`` (in
+        ``logits``' dtype), and ``entropy (N,)`` of the same dtype or ``None``.
     """
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements ({chunk_elements}) must be >= 1; pass None to "
@@ -136,6 +141,11 @@ def row_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool
     return logp, (ent if with_entropy else None)
 
 
+def _work_dtype(logits: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 logits (the exactness tests run in float64)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
 class _ChunkedRowLogprobs(torch.autograd.Function):
     """Row log-probs whose float32 working set is one chunk of rows (see the module doc)."""
 
@@ -144,13 +154,14 @@ class _ChunkedRowLogprobs(torch.autograd.Function):
                 rows: int, with_entropy: bool):
         logits = logits.contiguous()
         n = logits.shape[0]
-        f32 = dict(dtype=torch.float32, device=logits.device)
+        acc = _work_dtype(logits)
+        f32 = dict(dtype=acc, device=logits.device)
         logp = torch.empty(n, **f32)  # (N,)
         lse = torch.empty(n, **f32)  # (N,)
         ent = torch.empty(n if with_entropy else 0, **f32)  # (N,) or (0,)
         for s in range(0, n, rows):
             e = min(s + rows, n)
-            x = logits[s:e].float()  # (C, V); a view when logits are float32: never in-place
+            x = logits[s:e].to(acc)  # (C, V); a view when logits are float32: never in-place
             if temperature != 1.0:
                 x = x / temperature  # (C, V)
             lse_c = torch.logsumexp(x, dim=-1)  # (C,)
@@ -171,10 +182,10 @@ class _ChunkedRowLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)  # (N, V) in the logits' dtype
         for s in range(0, n, rows):
             e = min(s + rows, n)
-            x = logits[s:e].float()  # (C, V)
+            x = logits[s:e].to(lse.dtype)  # (C, V)
             if tau != 1.0:
                 x = x / tau  # (C, V)
-            g = grad_logp[s:e].float()  # (C,)
+            g = grad_logp[s:e].to(lse.dtype)  # (C,)
             p = torch.exp(x - lse[s:e, None])  # (C, V): softmax, a new tensor
             p.mul_(-g[:, None])  # (C, V): -g * p
             p.scatter_add_(-1, targets[s:e, None], g[:, None])  # (C, V): g * (onehot - p)
@@ -226,14 +237,26 @@ def rows_to_tokens(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return F.pad(zeros.masked_scatter(sel, values), (1, 0))  # (B, T)
 
 
-def _agg(values: torch.Tensor, mask: torch.Tensor, normalizer: float | None) -> torch.Tensor:
-    """The token mean of ``(B, T)`` values over float ``mask`` tokens: their sum over
-    ``normalizer`` (None: over this batch's own count)."""
-    total = (values * mask).sum()  # ()
+def _agg(values: torch.Tensor, weights: torch.Tensor, normalizer: float | None,
+         pairs: torch.Tensor) -> torch.Tensor:
+    """The (leaf, token) mean of ``(B, T)`` values: their ``weights``-weighted sum over
+    ``normalizer`` (None: over this batch's own ``pairs``)."""
+    total = (values * weights).sum()  # ()
     if normalizer is None:  # an empty batch: a zero loss, not 0 / 0
-        return total / mask.sum().clamp(min=1.0)
+        return total / pairs.clamp(min=1.0)
     # as given, even below 1: over several ranks it is the count over all ranks / ranks
     return total / normalizer
+
+
+def token_weights(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The weights of ``weighted_policy_loss`` for per-leaf rows: each mask token is one
+    (leaf, token) pair. ``(B, T)`` float each: ``count`` (the mask), ``adv_pos`` /
+    ``adv_neg`` (the advantage where positive / negative), ``n_pos`` / ``n_neg`` (0 or 1)."""
+    valid = mask.bool()  # (B, T)
+    adv = torch.where(valid, advantages.float(), torch.zeros_like(advantages, dtype=torch.float))
+    return {"count": valid.float(), "adv_pos": adv.clamp(min=0.0),  # (B, T) each
+            "adv_neg": adv.clamp(max=0.0), "n_pos": (adv > 0).float(),
+            "n_neg": (adv < 0).float()}
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -266,6 +289,38 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         ``ratio_mean``, ``ratio_max``, ``tokens``, and ``kl_ref`` / ``entropy`` when given.
         Stats are plain means over this call's mask tokens (not divided by ``normalizer``).
     """
+    return weighted_policy_loss(logprobs, old_logprobs, token_weights(advantages, mask),
+                                clip_low=clip_low, clip_high=clip_high,
+                                ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+                                normalizer=normalizer, entropy=entropy, dual_clip=dual_clip)
+
+
+def weighted_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                         weights: dict[str, torch.Tensor], clip_low: float = 0.2,
+                         clip_high: float = 0.28, ref_logprobs: torch.Tensor | None = None,
+                         kl_coef: float = 0.0, normalizer: float | None = None,
+                         entropy: torch.Tensor | None = None, dual_clip: float | None = None,
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``policy_loss`` where each token stands for several (leaf, token) pairs.
+
+    A token shared by the leaves of a packed tree has one context, so one ratio ``r``; each
+    leaf's clipped term is ``A * f+(r)`` for ``A > 0`` and ``A * f-(r)`` for ``A < 0``::
+
+        f+(r) = -min(r, 1 + clip_high)
+        f-(r) = -max(r, 1 - clip_low)            (dual-clip: -min(max(r, 1 - clip_low), dual_clip))
+
+    (``max(-A r, -A clip(r))`` for the sign of ``A``), so the token's terms add up to
+    ``adv_pos f+(r) + adv_neg f-(r)``. The KL term, the entropy and every statistic are
+    means over pairs, each token weighted by its ``count``; the loss is divided by
+    ``normalizer`` (pairs of the mini-batch) as in ``policy_loss``. With one pair per mask
+    token (``token_weights``) this is ``policy_loss`` exactly.
+
+    Args:
+        weights: ``(B, T)`` float each: ``count`` (pairs on the token; 0 off policy tokens),
+            ``adv_pos`` / ``adv_neg`` (their summed positive / negative advantages),
+            ``n_pos`` / ``n_neg`` (how many of them are positive / negative).
+        the rest: as in ``policy_loss``.
+    """
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef ({kl_coef}) > 0 needs ref_logprobs; pass the reference "
                          f"model's log-probs or set kl_coef to 0")
@@ -274,50 +329,49 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"normalizer ({normalizer}) must be > 0 (the mini-batch's count) or "
                          f"None (this batch's own count)")
-    valid = mask.bool()  # (B, T)
-    m = valid.to(logprobs.dtype)  # (B, T)
-    n_tokens = m.sum().clamp(min=1.0)  # ()
+    dt = logprobs.dtype
+    count = weights["count"].to(dt)  # (B, T): pairs per token
+    valid = count > 0  # (B, T)
+    n_pairs = count.sum()  # ()
+    n_tokens = n_pairs.clamp(min=1.0)  # ()
 
     log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))  # (B, T)
     log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = torch.where(valid, advantages.to(logprobs.dtype), torch.zeros_like(logprobs))  # (B, T)
-    surr = -adv * ratio  # (B, T)
-    surr_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
-    pg = torch.maximum(surr, surr_clipped)  # (B, T)
-    if dual_clip is not None:
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)  # (B, T)
-    loss = _agg(pg, m, normalizer)  # ()
+    f_pos = -ratio.clamp(max=1.0 + clip_high)  # (B, T)
+    f_neg = -(ratio.clamp(min=1.0 - clip_low) if dual_clip is None
+              else ratio.clamp(min=1.0 - clip_low, max=dual_clip))  # (B, T)
+    pg = weights["adv_pos"].to(dt) * f_pos + weights["adv_neg"].to(dt) * f_neg  # (B, T)
+    loss = _agg(pg, valid.to(dt), normalizer, n_pairs)  # ()
 
     with torch.no_grad():
         r = ratio.detach()  # (B, T)
-        low = valid & (adv < 0) & (r < 1.0 - clip_low)  # (B, T): gradient zeroed here
-        high = valid & (adv > 0) & (r > 1.0 + clip_high)  # (B, T): gradient zeroed here
-        dual = (valid & (adv < 0) & (r > dual_clip) if dual_clip is not None
-                else torch.zeros_like(valid))  # (B, T): gradient zeroed here
+        n_pos, n_neg = weights["n_pos"].to(dt), weights["n_neg"].to(dt)  # (B, T)
+        low = n_neg * (r < 1.0 - clip_low)  # (B, T): pairs whose gradient is zeroed here
+        high = n_pos * (r > 1.0 + clip_high)  # (B, T)
+        dual = n_neg * (r > dual_clip) if dual_clip is not None else torch.zeros_like(r)
         neg = -log_ratio.detach()  # (B, T): old - logp
         stats = {
-            "clip_frac_low": (low.to(m.dtype).sum() / n_tokens),
-            "clip_frac_high": (high.to(m.dtype).sum() / n_tokens),
-            "clip_frac_dual": (dual.to(m.dtype).sum() / n_tokens),
-            "approx_kl": (neg * m).sum() / n_tokens,
+            "clip_frac_low": low.sum() / n_tokens,
+            "clip_frac_high": high.sum() / n_tokens,
+            "clip_frac_dual": dual.sum() / n_tokens,
+            "approx_kl": (neg * count).sum() / n_tokens,
             # k3 of the same KL(old || new), tokens sampled from old: (r - 1) - log r
-            "approx_kl_k3": ((torch.exp(-neg) + neg - 1.0) * m).sum() / n_tokens,
-            "ratio_mean": (r * m).sum() / n_tokens,
+            "approx_kl_k3": ((torch.exp(-neg) + neg - 1.0) * count).sum() / n_tokens,
+            "ratio_mean": (r * count).sum() / n_tokens,
             "ratio_max": torch.where(valid, r, torch.zeros_like(r)).max(),
-            "tokens": m.sum(),
+            "tokens": n_pairs,
         }
 
     if ref_logprobs is not None:
         d = torch.where(valid, ref_logprobs - logprobs, torch.zeros_like(logprobs))  # (B, T)
         d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
         kl = torch.exp(d) - d - 1.0  # (B, T): k3 >= 0
-        kl_loss = _agg(kl, m, normalizer)  # ()
-        # a mean over this call's tokens, as every statistic (kl_loss is over the normalizer)
-        stats["kl_ref"] = (kl.detach() * m).sum() / n_tokens
+        kl_loss = _agg(kl, count, normalizer, n_pairs)  # ()
+        # a mean over this call's pairs, as every statistic (kl_loss is over the normalizer)
+        stats["kl_ref"] = (kl.detach() * count).sum() / n_tokens
         if kl_coef > 0:
             loss = loss + kl_coef * kl_loss
     if entropy is not None:
-        stats["entropy"] = (entropy.detach() * m).sum() / n_tokens
+        stats["entropy"] = (entropy.detach() * count).sum() / n_tokens
     return loss, stats
-

@@ -6,9 +6,9 @@ The predictor ``V(H)`` steers allocation only: it trains on each step's bottom-u
 With ``history`` set, the root predictions of prompts rolled out before are updated by their
 own past outcomes (``PromptHistory``).
 
-Optimisation is manual: one ``training_step`` is one mini-batch of the step's leaves, split
-into token-packed micro-batches whose losses are normalised by the mini-batch's total policy
-tokens, so the gradient is the token-mean over the whole mini-batch (over all ranks: the
+Optimisation is manual: one ``training_step`` is one mini-batch of the step's trees, each
+forwarded once (``tree_packing``; or of loose leaves, one row each), split into token-packed
+micro-batches whose losses are normalised by the mini-batch's (leaf, policy token) pairs, so the gradient is the token-mean over the whole mini-batch (over all ranks: the
 divisor is their summed tokens over the rank count, and DDP / FSDP average the gradients).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import lightning as L
 import torch
@@ -28,12 +29,24 @@ from trace_lightning.collectives import all_gather_batch, all_gather_list
 from trace_lightning.engines.sync import sync_weights
 from trace_lightning.history import PromptHistory
 from trace_lightning.logs import log_scalars
-from trace_lightning.loss import policy_loss, predicting_rows, row_logprobs, rows_to_tokens
+from trace_lightning.loss import row_logprobs, weighted_policy_loss
 from trace_lightning.features import Featuriser
 from trace_lightning.predictor import (ReplayBuffer, SuccessPredictor, fit_predictor,
                                        predict_nodes, training_batch)
 from trace_lightning.tree import RolloutTree
+from trace_lightning.tree_packing import WEIGHT_KEYS, attention_inputs
 
+
+
+AttentionKind = Literal["auto", "sdpa", "flex_attention"]
+ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
+
+
+def flex_attention_available() -> bool:
+    """Whether torch has FlexAttention and transformers can run a model on it."""
+    from transformers.utils import is_torch_flex_attn_available
+
+    return is_torch_flex_attn_available()
 
 
 # Dropout probabilities in transformers configs (names vary by architecture).
@@ -90,6 +103,14 @@ class TraceModule(L.LightningModule):
             compilation: one layer's code, compiled once and reused) before FSDP wraps them.
             On the H200 benchmark this took our training step from 30.5k to 45.8k tokens/s;
             the first steps pay the compilation, and new batch shapes may recompile.
+        tree_packing: forward each tree's tokens once in the update (its leaves' shared
+            prefixes are not recomputed per leaf) and its nodes' predictor features in one
+            pass per tree; the objective is the per-leaf one exactly
+            (``trace_lightning.tree_packing``). False: one row per leaf, mini-batches of
+            loose leaves (for comparison).
+        attention: the policy's attention kernel: "auto" (FlexAttention with a block mask on
+            CUDA where torch and transformers offer it, else "sdpa"), "sdpa" (a 4D boolean
+            mask for packed trees) or "flex_attention".
     """
 
     def __init__(self, policy_path: str, dtype: str = "float32", lr: float = 1e-5,
@@ -102,8 +123,12 @@ class TraceModule(L.LightningModule):
                  predictor_batch_size: int = 256, predictor_holdout: float = 0.2,
                  replay_steps: int = 4, history: PromptHistory | None = None,
                  gradient_checkpointing: bool = False, lr_warmup_steps: int = 0,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, tree_packing: bool = True,
+                 attention: AttentionKind = "auto"):
         super().__init__()
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"--model.attention ({attention!r}): expected one of "
+                             f"{', '.join(map(repr, ATTENTION_KINDS))}")
         if advantage not in ADVANTAGE_KINDS:
             raise ValueError(f"--model.advantage ({advantage!r}): expected one of "
                              f"{', '.join(map(repr, ADVANTAGE_KINDS))}")
@@ -155,9 +180,11 @@ class TraceModule(L.LightningModule):
             return
         dtype = getattr(torch, self.hparams.dtype)
         path = os.path.expanduser(self.hparams.policy_path)  # a directory, or a hub id
+        attn = self.attention_implementation()
         try:
             config = without_dropout(AutoConfig.from_pretrained(path))
-            self.policy = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+            self.policy = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                               attn_implementation=attn)
         except OSError as e:
             raise FileNotFoundError(
                 f"--model.policy_path ({self.hparams.policy_path!r}) could not be loaded ({e}); "
@@ -170,7 +197,8 @@ class TraceModule(L.LightningModule):
         if self.hparams.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if self.hparams.kl_coef > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            self.reference = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn).eval()
             self.reference.requires_grad_(False)
         if self.hparams.compile_layers:
             compile_decoder_layers(self.policy)
@@ -185,6 +213,18 @@ class TraceModule(L.LightningModule):
         names = [f"predictor.{n}" for n, _ in self.predictor.named_parameters()]
         names += [f"predictor.{n}" for n, _ in self.predictor.named_buffers()]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, names)
+
+    def attention_implementation(self) -> str:
+        """The policy's ``attn_implementation``: ``--model.attention``, "auto" resolved on
+        the device the policy trains on."""
+        kind = self.hparams.attention
+        on_cuda = self._trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        if kind == "auto":
+            return "flex_attention" if on_cuda and flex_attention_available() else "sdpa"
+        if kind == "flex_attention" and not flex_attention_available():
+            raise ValueError("--model.attention ('flex_attention'): this torch/transformers "
+                             "has no FlexAttention; use 'sdpa' or 'auto'")
+        return kind
 
     def on_fit_start(self) -> None:
         # "bf16-true" / "16-true" cast the whole module (the predictor was even built in that
@@ -344,11 +384,12 @@ class TraceModule(L.LightningModule):
             if self.reference is not None:
                 with torch.no_grad():
                     ref, _ = self._logprobs(self.reference, mb, temperature=tau)  # (B, T)
-            loss, stats = policy_loss(logp, mb["old_logprobs"], mb["advantages"],
-                                      mb["policy_mask"], clip_low=h.clip_low,
-                                      clip_high=h.clip_high, dual_clip=h.dual_clip,
-                                      ref_logprobs=ref,
-                                      kl_coef=h.kl_coef, normalizer=normalizer, entropy=entropy)
+            weights = {k: mb[k] for k in WEIGHT_KEYS}  # (B, T) each: (leaf, token) pairs
+            loss, stats = weighted_policy_loss(logp, mb["old_logprobs"], weights,
+                                               clip_low=h.clip_low, clip_high=h.clip_high,
+                                               dual_clip=h.dual_clip, ref_logprobs=ref,
+                                               kl_coef=h.kl_coef, normalizer=normalizer,
+                                               entropy=entropy)
             self.manual_backward(loss)
             w = stats.pop("tokens")
             r = stats.pop("ratio_max")
@@ -418,29 +459,39 @@ class TraceModule(L.LightningModule):
         policy tokens (0 elsewhere: the loss reads nothing else), at the ``temperature`` the
         rollouts were sampled at (the engines' log-probs are of that distribution).
 
-        - No attention mask: ``collate`` right-pads and attention is causal, so a real token
-          never attends to padding and its positions are unchanged. Without a mask SDPA
-          takes its fused causal (flash) kernel instead of a masked one.
+        - A per-leaf micro-batch (``packing.collate``) runs without an attention mask:
+          it is right-padded and attention is causal, so a real token never attends to
+          padding and its positions are unchanged, and SDPA takes its fused causal (flash)
+          kernel. A packed one (``tree_packing.collate_units``) brings position ids and the
+          tree's ancestor mask (``tree_packing.attention_inputs``).
         - The LM head runs only on the rows that predict a policy token (a pre-hook on the
-          output embedding hands it those rows), so the ``(B, T, V)`` logits and their
-          gradient are never built; prompt and observation tokens are often most of a
-          search agent's sequence. The head runs inside the model's own forward, where an
-          FSDP root has its parameters gathered and in the compute dtype.
+          output embedding hands it those rows, ``prev`` of each policy token: the token
+          before it on its path), so the ``(B, T, V)`` logits and their gradient are never
+          built; prompt and observation tokens are often most of a search agent's
+          sequence. The head runs inside the model's own forward, where an FSDP root has
+          its parameters gathered and in the compute dtype.
         """
         ids = mb["input_ids"]  # (B, T)
-        sel = predicting_rows(mb["policy_mask"])  # (B, T-1)
+        b, t = mb["policy_mask"].bool().nonzero(as_tuple=True)  # (M,) each: policy tokens
+        src = mb["prev"][b, t]  # (M,): the rows that predict them
         head = model.get_output_embeddings()
         if head is None:
             raise TypeError(f"{type(model).__name__} has no output embedding (LM head) to run "
                             f"on policy rows; --model.policy_path must be a causal LM with one")
-        hook = head.register_forward_pre_hook(lambda _, args: (args[0][:, :-1][sel],))
+        hook = head.register_forward_pre_hook(lambda _, args: (args[0][b, src],))
         try:
-            logits = model(input_ids=ids, use_cache=False).logits  # (M, V): policy rows
+            logits = model(input_ids=ids, use_cache=False,
+                           **attention_inputs(model, mb)).logits  # (M, V): policy rows
         finally:
             hook.remove()
-        lp, ent = row_logprobs(logits, ids[:, 1:][sel], with_entropy=with_entropy,
+        lp, ent = row_logprobs(logits, ids[b, t], with_entropy=with_entropy,
                                temperature=temperature)  # (M,)
-        return rows_to_tokens(lp, sel), (rows_to_tokens(ent, sel) if ent is not None else None)
+
+        def to_tokens(values: torch.Tensor) -> torch.Tensor:  # (M,) -> (B, T), 0 elsewhere
+            return torch.zeros(ids.shape, dtype=values.dtype,
+                               device=values.device).index_put((b, t), values)
+
+        return to_tokens(lp), (to_tokens(ent) if ent is not None else None)
 
     # ---- validation: the DataModule ran the agent; metrics come from the callbacks ------
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:

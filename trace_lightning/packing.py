@@ -2,7 +2,10 @@
 
 - :func:`split_minibatches` splits a step's sequences into ``n`` mini-batches (one optimizer
   step each) in random order, each sequence going to the mini-batch with the fewest tokens so
-  far: per-mini-batch token totals differ by at most the longest sequence.
+  far: per-mini-batch token totals differ by at most the longest sequence
+  (:func:`split_balanced`, which splits whole trees the same way for tree packing).
+- :func:`leaf_minibatches`: one pass over a step's leaves as mini-batches of micro-batches
+  (``tree_packing.tree_minibatches`` is its packed-tree counterpart).
 - :func:`pack_microbatches` groups one mini-batch into micro-batches whose padded size
   ``n_seqs * longest`` stays within ``max_tokens``, longest first, so sequences of similar
   length share a micro-batch and padding stays small. A sequence longer than ``max_tokens``
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from trace_lightning.loss import token_weights
 from trace_lightning.tree import LeafSequence
 
 
@@ -65,26 +69,46 @@ def padding_share(batches: Sequence[Sequence[int]], seqs: Sequence[LeafSequence]
 
 def split_minibatches(seqs: Sequence[LeafSequence], n_minibatches: int,
                       seed: int = 0) -> list[list[int]]:
-    """Split indices of ``seqs`` into ``n_minibatches`` random groups balanced by tokens.
+    """Split indices of ``seqs`` into ``n_minibatches`` random groups balanced by tokens
+    (``split_balanced`` of their lengths)."""
+    return split_balanced([len(s.input_ids) for s in seqs], n_minibatches, seed)
 
-    Sequences are visited in a seeded random order and each goes to the group with the fewest
-    tokens so far (ties: lowest group index); token totals then differ by at most the longest
-    sequence. Each group is returned in visiting order. With fewer sequences than
-    ``n_minibatches`` (a rank's small shard) the extra groups are empty, so every rank still
-    gets ``n_minibatches`` groups.
+
+def split_balanced(sizes: Sequence[int], n_groups: int, seed: int = 0) -> list[list[int]]:
+    """Split indices of items of these ``sizes`` into ``n_groups`` random groups balanced by
+    size.
+
+    Items are visited in a seeded random order and each goes to the group with the smallest
+    total so far (ties: lowest group index); totals then differ by at most the largest item.
+    Each group is returned in visiting order. With fewer items than ``n_groups`` (a rank's
+    small shard) the extra groups are empty, so every rank still gets ``n_groups`` groups.
     """
-    if n_minibatches < 1:
-        raise ValueError(f"n_minibatches ({n_minibatches}) must be >= 1; set the number of "
+    if n_groups < 1:
+        raise ValueError(f"n_minibatches ({n_groups}) must be >= 1; set the number of "
                          f"optimizer steps per RL step to at least 1")
-    order = list(range(len(seqs)))
+    order = list(range(len(sizes)))
     random.Random(seed).shuffle(order)
-    heap = [(0, g) for g in range(n_minibatches)]  # (tokens, group)
-    groups: list[list[int]] = [[] for _ in range(n_minibatches)]
+    heap = [(0, g) for g in range(n_groups)]  # (total, group)
+    groups: list[list[int]] = [[] for _ in range(n_groups)]
     for i in order:
-        tokens, g = heapq.heappop(heap)
+        total, g = heapq.heappop(heap)
         groups[g].append(i)
-        heapq.heappush(heap, (tokens + len(seqs[i].input_ids), g))
+        heapq.heappush(heap, (total + sizes[i], g))
     return groups
+
+
+def leaf_minibatches(seqs: Sequence[LeafSequence], n_minibatches: int, max_tokens: int,
+                     pad_id: int, seed: int) -> list[dict]:
+    """One pass over a step's leaves: ``n_minibatches`` mini-batches of loose leaves, each a
+    list of right-padded micro-batches (``micro``) and its policy tokens (``n_tokens``)."""
+    out = []
+    for idx in split_minibatches(seqs, n_minibatches, seed=seed):
+        mini = [seqs[i] for i in idx]
+        groups = pack_microbatches(mini, max_tokens) if mini else []
+        micro = [collate([mini[i] for i in g], pad_id,
+                         advantages=[mini[i].token_advantages for i in g]) for g in groups]
+        out.append({"micro": micro, "n_tokens": float(sum(sum(s.policy_mask) for s in mini))})
+    return out
 
 
 def collate(seqs: Sequence[LeafSequence], pad_id: int,
@@ -101,7 +125,11 @@ def collate(seqs: Sequence[LeafSequence], pad_id: int,
     Returns:
         ``input_ids`` (B, T) long, ``attention_mask`` (B, T) long (1 on real tokens),
         ``policy_mask`` (B, T) float (1 on policy tokens), ``old_logprobs`` (B, T) float,
-        ``advantages`` (B, T) float (0 off policy tokens), ``rewards`` (B,) float.
+        ``advantages`` (B, T) float (0 off policy tokens), ``rewards`` (B,) float,
+        ``prev`` (B, T) long (the row whose hidden state predicts each token: ``t - 1``) and
+        the (leaf, token) weights of ``loss.weighted_policy_loss`` (one pair per policy
+        token: ``loss.token_weights``), the same keys a packed tree's micro-batch has
+        (``tree_packing.collate_units``).
     """
     if not seqs:
         raise ValueError("collate got no sequences; pack_microbatches never yields an empty batch")
@@ -138,7 +166,14 @@ def collate(seqs: Sequence[LeafSequence], pad_id: int,
             adv[i, :n] = torch.tensor(advantages[i], dtype=torch.float32) * pm
     rewards = torch.tensor([s.reward for s in seqs], dtype=torch.float32)  # (B,)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "policy_mask": policy_mask,
-            "old_logprobs": old_logprobs, "advantages": adv, "rewards": rewards}
+            "old_logprobs": old_logprobs, "advantages": adv, "rewards": rewards,
+            "prev": _prev(b, t), **token_weights(adv, policy_mask)}
+
+
+def _prev(b: int, t: int) -> torch.Tensor:
+    """``(B, T)``: in a per-leaf row token ``i`` is predicted by the hidden state at ``i - 1``
+    (at 0 for token 0, which is never trained)."""
+    return torch.arange(t).clamp(min=1).sub(1).repeat(b, 1)
 
 
 def equalise_over_ranks(minibatches: list[dict], pad_id: int,
@@ -174,4 +209,5 @@ def _empty_microbatch(pad_id: int) -> dict:
     z = torch.zeros(1, 2)
     return {"input_ids": torch.full((1, 2), pad_id, dtype=torch.long),
             "attention_mask": torch.ones(1, 2, dtype=torch.long),
-            "policy_mask": z.clone(), "old_logprobs": z.clone(), "advantages": z.clone()}
+            "policy_mask": z.clone(), "old_logprobs": z.clone(), "advantages": z.clone(),
+            "prev": _prev(1, 2), **token_weights(z, z)}

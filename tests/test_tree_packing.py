@@ -1,0 +1,399 @@
+"""Tree packing: a tree forwarded once gives the per-leaf update exactly.
+
+Hand-built trees (branching at several depths, a continuation that ends at once, observation
+tokens between policy tokens, a single-leaf tree) under every advantage kind: the packed
+update's loss, gradients and statistics equal the per-leaf update's (float64 to 1e-10
+relative, float32 to 1e-5), and the predictor's features equal each prefix forwarded alone.
+A mask that lets a token see a sibling's tokens is caught. A tiny random-weight Qwen3.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from trace_lightning.advantage import ADVANTAGE_KINDS, assign_advantages
+from trace_lightning.features import node_features
+from trace_lightning.loss import weighted_policy_loss
+from trace_lightning.models import tiny_qwen3_config
+from trace_lightning.module import TraceModule
+from trace_lightning.packing import collate, pack_microbatches
+from trace_lightning.tree import RolloutTree
+from trace_lightning.tree_packing import (WEIGHT_KEYS, collate_units, layout, pack_rows,
+                                          split_ends, tree_attention_mask, unique_tokens,
+                                          update_units)
+
+VOCAB = 61
+
+
+def _turn(rng: random.Random, policy: int, obs: int, **fields) -> dict:
+    """A turn of ``policy`` generated tokens then ``obs`` observation tokens."""
+    ids = [rng.randrange(3, VOCAB) for _ in range(policy + obs)]
+    return dict(token_ids=ids, policy_mask=[1] * policy + [0] * obs,
+                logprobs=[-3.0 + rng.gauss(0, 0.5) for _ in range(policy)] + [0.0] * obs,
+                **fields)
+
+
+def _leaf(rng, policy: int, reward: float) -> dict:
+    return _turn(rng, policy, 0, finished=True, reward=reward)
+
+
+def hand_trees(seed: int = 0) -> list[RolloutTree]:
+    """Three trees:
+
+    ``a``: rollout 0 is three turns (root - t1 - t2 - leaf); continuations branch from t1 (one
+    ending at once) and from t2 (one going on for two turns, one ending); rollout 1 is one
+    turn. Leaves 6, with rewards mixed at every depth.
+    ``b``: one leaf (a single-leaf tree).
+    ``c``: two bare rollouts of two turns, both successes.
+    """
+    rng = random.Random(seed)
+    a = RolloutTree.new("a", "q", ["x"], [1, 2, 3, 4, 5])
+    t1 = a.add_child(0, rollout=0, **_turn(rng, 3, 2))
+    t2 = a.add_child(t1.id, **_turn(rng, 2, 3))
+    a.add_child(t2.id, **_leaf(rng, 3, 1.0))
+    a.add_child(t1.id, **_leaf(rng, 2, 0.0))  # a continuation that ends at once
+    t3 = a.add_child(t2.id, **_turn(rng, 2, 1))
+    a.add_child(t3.id, **_leaf(rng, 2, 0.0))
+    a.add_child(t2.id, **_leaf(rng, 4, 1.0))
+    a.add_child(0, rollout=1, **_leaf(rng, 4, 0.0))
+    b = RolloutTree.new("b", "q", ["x"], [2, 7, 9])
+    b.add_child(0, rollout=0, **_leaf(rng, 5, 1.0))
+    c = RolloutTree.new("c", "q", ["x"], [6, 2])
+    for j in range(2):
+        u = c.add_child(0, rollout=j, **_turn(rng, 2, 2))
+        c.add_child(u.id, **_leaf(rng, 3, 1.0))
+    for t in (a, b, c):
+        t.compute_values()
+    return [a, b, c]
+
+
+def sequences(trees, kind):
+    seqs = [s for t in trees for s in t.flatten()]
+    for s, adv in zip(seqs, assign_advantages(seqs, trees, kind)):
+        s.token_advantages = adv
+    return seqs
+
+
+def packed_micro(trees, seqs, max_tokens: int) -> list[dict]:
+    units = [u for t in trees for u in update_units(
+        t, [s for s in seqs if s.tree_id == t.tree_id], max_tokens)]
+    return [collate_units([[units[j] for j in row] for row in rows], pad_id=0)
+            for rows in pack_rows([len(u) for u in units], max_tokens)]
+
+
+def leaf_micro(seqs, max_tokens: int) -> list[dict]:
+    return [collate([seqs[i] for i in g], pad_id=0,
+                    advantages=[seqs[i].token_advantages for i in g])
+            for g in pack_microbatches(seqs, max_tokens)]
+
+
+@pytest.fixture(scope="module")
+def model_state():
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(tiny_qwen3_config(VOCAB)).state_dict()
+
+
+def _rms_norm_in_float64(self, hidden: torch.Tensor) -> torch.Tensor:
+    """Qwen3RMSNorm in the input's dtype: transformers' computes in float32 whatever the
+    input, which caps a float64 comparison at float32 precision (gradients of a shared token
+    summed before the norm's float32 backward, or after it per leaf, differ by 1e-7)."""
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def in_float64(model):
+    """``model`` in float64 throughout, its RMS norms included, in train mode."""
+    for mod in model.modules():
+        if isinstance(mod, Qwen3RMSNorm):
+            mod.forward = types.MethodType(_rms_norm_in_float64, mod)
+    return model.double().train()
+
+
+def policy(model_state, dtype=torch.float64):
+    m = Qwen3ForCausalLM(tiny_qwen3_config(VOCAB, attn_implementation="sdpa"))
+    m.load_state_dict(model_state)
+    return in_float64(m) if dtype == torch.float64 else m.to(dtype).train()
+
+
+def update(model, micro: list[dict], normalizer: float, **kw):
+    """The training step's loss, statistics and gradients over ``micro`` (as
+    ``TraceModule.training_step`` sums them), without an optimizer."""
+    model.zero_grad(set_to_none=True)
+    loss_sum, sums, ratio_max = 0.0, {}, 0.0
+    for mb in micro:
+        logp, ent = TraceModule._logprobs(model, mb, with_entropy=True)
+        ref = (logp.detach() + 0.1 * mb["policy_mask"]).to(logp.dtype)  # a KL term that bites
+        loss, stats = weighted_policy_loss(logp, mb["old_logprobs"].to(logp.dtype),
+                                           {k: mb[k] for k in WEIGHT_KEYS},
+                                           normalizer=normalizer, entropy=ent, ref_logprobs=ref,
+                                           kl_coef=0.3, **kw)
+        loss.backward()
+        loss_sum += loss.item()
+        w = float(stats.pop("tokens"))
+        ratio_max = max(ratio_max, float(stats.pop("ratio_max")))
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + float(v) * w
+        sums["tokens"] = sums.get("tokens", 0.0) + w
+    stats = {k: v / sums["tokens"] for k, v in sums.items() if k != "tokens"}
+    stats |= {"tokens": sums["tokens"], "ratio_max": ratio_max}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss_sum, stats, grads
+
+
+def with_old_logprobs_near(model, trees) -> None:
+    """Behaviour log-probs = the model's own plus noise, so ratios clip on both sides."""
+    rng = np.random.default_rng(0)
+    for t in trees:
+        for leaf in t.leaves():
+            ids = torch.tensor([t.prefix_ids(leaf.id)])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+            lp = lp.gather(-1, ids[0, 1:, None])[:, 0]  # (T-1,)
+            start = 0
+            for n in t.path(leaf.id):
+                for i, m in enumerate(n.policy_mask):
+                    if m:
+                        n.logprobs[i] = float(lp[start + i - 1]) + float(rng.normal(0, 0.3))
+                start += len(n.token_ids)
+
+
+def assert_packed_equals_per_leaf(model, trees, kind: str, rtol: float,
+                                  max_tokens: int = 4096) -> dict:
+    """The packed update of ``trees`` gives the per-leaf update's loss, statistics and
+    gradients (plain and dual-clipped); returns the per-leaf statistics."""
+    for t in trees:
+        t.compute_values()
+    seqs = sequences(trees, kind)
+    pairs = float(sum(sum(s.policy_mask) for s in seqs))
+    packed = packed_micro(trees, seqs, max_tokens)
+    assert sum(float(mb["count"].sum()) for mb in packed) == pairs
+    for clip in ({}, {"dual_clip": 1.1}):
+        want_loss, want_stats, want_grads = update(model, leaf_micro(seqs, max_tokens), pairs,
+                                                   **clip)
+        loss, stats, grads = update(model, packed, pairs, **clip)
+        assert loss == pytest.approx(want_loss, rel=rtol, abs=1e-12)
+        assert stats.keys() == want_stats.keys()
+        for k in want_stats:
+            assert stats[k] == pytest.approx(want_stats[k], rel=rtol, abs=1e-12), k
+        for name, g in want_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=rtol, atol=rtol * 1e-2, msg=name)
+    return want_stats
+
+
+@pytest.mark.parametrize("kind", ADVANTAGE_KINDS)
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_packed_update_equals_the_per_leaf_update(model_state, kind, dtype, rtol):
+    model = policy(model_state, dtype)
+    trees = hand_trees()
+    with_old_logprobs_near(model, trees)
+    seqs = sequences(trees, kind)
+    packed = packed_micro(trees, seqs, max_tokens=4096)
+    assert len(packed) == 1 and len(packed[0]["input_ids"]) < len(seqs)  # trees share rows
+    stats = assert_packed_equals_per_leaf(model, trees, kind, rtol)
+    # the checks bite: the clip fractions and KL are not all zero
+    assert stats["clip_frac_low"] + stats["clip_frac_high"] > 0
+    assert stats["kl_ref"] > 0
+
+
+def test_the_training_step_logs_the_same_statistics_packed(model_state, tmp_path):
+    """A real Trainer's step over one packed mini-batch logs the per-leaf step's ``train/*``
+    (loss, pairs, clip fractions, KL, entropy, gradient norm)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    model = policy(model_state, torch.float32)
+    model.save_pretrained(tmp_path / "policy")
+    trees = hand_trees()
+    with_old_logprobs_near(model, trees)
+    seqs = sequences(trees, "tree_grpo")
+    pairs = float(sum(sum(s.policy_mask) for s in seqs))
+    logged = []
+    for micro in (leaf_micro(seqs, 40), packed_micro(trees, seqs, 40)):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        module = TraceModule(policy_path=str(tmp_path / "policy"), lr=1e-3, kl_coef=0.1)
+        trainer.fit(module, DataLoader([{"micro": micro, "n_tokens": pairs}],
+                                       batch_size=None, collate_fn=lambda b: b))
+        logged.append({k: float(v) for k, v in trainer.logged_metrics.items()})
+    assert logged[0].keys() == logged[1].keys() and "train/grad_norm" in logged[0]
+    assert logged[0]["train/policy_tokens"] == logged[1]["train/policy_tokens"] == pairs
+    for k, v in logged[0].items():
+        assert logged[1][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
+def test_a_tree_split_at_subtree_boundaries_gives_the_same_update(model_state):
+    """A micro-batch budget smaller than tree ``a`` splits it into parts (its prefix
+    recomputed in each), and the update is still the per-leaf one; no leaf is dropped."""
+    model = policy(model_state)
+    trees = hand_trees()
+    with_old_logprobs_near(model, trees)
+    seqs = sequences(trees, "segment")
+    pairs = float(sum(sum(s.policy_mask) for s in seqs))
+    a = trees[0]
+    assert unique_tokens(a) > 24
+    parts = split_ends(a, [n.id for n in a.leaves()], 24)
+    assert len(parts) > 2 and sorted(sum(parts, [])) == sorted(n.id for n in a.leaves())
+    want = update(model, leaf_micro(seqs, 4096), pairs)
+    got = update(model, packed_micro(trees, seqs, max_tokens=24), pairs)
+    assert got[0] == pytest.approx(want[0], rel=1e-10)
+    for name, g in want[2].items():
+        torch.testing.assert_close(got[2][name], g, rtol=1e-10, atol=1e-12)
+
+
+def test_a_mask_that_shows_a_sibling_is_caught(model_state):
+    """Plain causal attention over the packed tree (every token sees the siblings laid out
+    before it) gives other log-probs: the comparison above can fail."""
+    model = policy(model_state)
+    trees = hand_trees()
+    seqs = sequences(trees, "grpo")
+    mb = packed_micro(trees, seqs, 4096)[0]
+    good, _ = TraceModule._logprobs(model, mb)
+    leaky = dict(mb, subtree_end=torch.full_like(mb["subtree_end"], mb["input_ids"].shape[1]))
+    bad, _ = TraceModule._logprobs(model, leaky)
+    assert (good - bad).abs().max() > 1e-3
+
+
+def test_layout_by_hand():
+    """Tree: root [1 2] - n1 [3 4] - {n2 [5], n3 [6 7]}, n1 and n3 policy tokens.
+    Depth-first: 1 2 3 4 5 6 7; positions 0 1 2 3 4 4 5 (n3 starts where n2 did, along its
+    own path); n2's token 5 (index 4) is seen by itself only, so n3's tokens (5, 6) do not
+    see it; the first token of n2 and of n3 are both predicted by n1's last token (index 3).
+    """
+    t = RolloutTree.new("h", "q", ["x"], [1, 2])
+    n1 = t.add_child(0, rollout=0, token_ids=[3, 4], logprobs=[-1.0, -2.0], policy_mask=[1, 1])
+    t.add_child(n1.id, token_ids=[5], logprobs=[-1.5], policy_mask=[1], finished=True,
+                reward=1.0)
+    t.add_child(n1.id, token_ids=[6, 7], logprobs=[-0.5, 0.0], policy_mask=[1, 0],
+                finished=True, reward=0.0)
+    u = layout(t, [2, 3])
+    assert u.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert u.position_ids.tolist() == [0, 1, 2, 3, 4, 4, 5]
+    assert u.subtree_end.tolist() == [7, 7, 7, 7, 5, 7, 7]
+    assert u.prev.tolist() == [0, 0, 1, 2, 3, 3, 5]
+    assert u.last == {0: 1, 1: 3, 2: 4, 3: 6}
+    mask = tree_attention_mask(torch.from_numpy(u.subtree_end)[None])[0, 0].int()
+    assert mask.tolist() == [[1, 0, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0, 0],
+                             [1, 1, 1, 0, 0, 0, 0],
+                             [1, 1, 1, 1, 0, 0, 0],
+                             [1, 1, 1, 1, 1, 0, 0],
+                             [1, 1, 1, 1, 0, 1, 0],
+                             [1, 1, 1, 1, 0, 1, 1]]
+
+
+def test_weights_by_hand():
+    """Leaves of the tree above with GRPO advantages +0.7071 (reward 1) and -0.7071 (reward
+    0): n1's two shared tokens carry count 2, adv_pos 0.7071, adv_neg -0.7071, one of each;
+    n2's token only the success, n3's policy token only the failure."""
+    t = RolloutTree.new("h", "q", ["x"], [1, 2])
+    n1 = t.add_child(0, rollout=0, token_ids=[3, 4], logprobs=[-1.0, -2.0], policy_mask=[1, 1])
+    t.add_child(n1.id, token_ids=[5], logprobs=[-1.5], policy_mask=[1], finished=True,
+                reward=1.0)
+    t.add_child(n1.id, token_ids=[6, 7], logprobs=[-0.5, 0.0], policy_mask=[1, 0],
+                finished=True, reward=0.0)
+    t.compute_values()
+    (u,) = update_units(t, sequences([t], "grpo"), 100)
+    a = 1 / np.sqrt(2)
+    np.testing.assert_allclose(u.weights["count"], [0, 0, 2, 2, 1, 1, 0])
+    np.testing.assert_allclose(u.weights["adv_pos"], [0, 0, a, a, a, 0, 0], rtol=1e-5)
+    np.testing.assert_allclose(u.weights["adv_neg"], [0, 0, -a, -a, 0, -a, 0], rtol=1e-5)
+    np.testing.assert_allclose(u.weights["n_pos"], [0, 0, 1, 1, 1, 0, 0])
+    np.testing.assert_allclose(u.weights["n_neg"], [0, 0, 1, 1, 0, 1, 0])
+    np.testing.assert_allclose(u.old_logprobs, [0, 0, -1.0, -2.0, -1.5, -0.5, 0])
+
+
+def test_pack_rows_shares_rows_within_budget():
+    lengths = [10, 3, 4, 9, 2, 6, 1, 12]
+    batches = pack_rows(lengths, 24)
+    seen = sorted(i for mb in batches for row in mb for i in row)
+    assert seen == list(range(len(lengths)))
+    for mb in batches:
+        width = max(lengths[i] for row in mb for i in row)
+        assert len(mb) * width <= 24
+        assert all(sum(lengths[i] for i in row) <= width for row in mb)
+    assert pack_rows([30, 2], 24) == [[[0]], [[1]]]  # over budget: alone
+
+
+def test_split_ends_keeps_whole_subtrees_and_every_end():
+    """Brute force over budgets: every part fits unless it is one path, parts cover every
+    leaf once, in depth-first order."""
+    a = hand_trees()[0]
+    leaves = [n.id for n in a.leaves()]
+    dfs = layout(a, leaves).last  # depth-first order of nodes
+    order = [i for i in dfs if i in leaves]
+    for budget in range(1, unique_tokens(a) + 2):
+        parts = split_ends(a, leaves, budget)
+        assert [e for p in parts for e in p] == order
+        for p in parts:
+            assert len(layout(a, p)) <= budget or len(p) == 1
+    assert split_ends(a, leaves, unique_tokens(a)) == [order]
+
+
+def test_packed_features_equal_each_prefix_alone(model_state):
+    """Every node's feature is the last hidden state of its prefix forwarded alone, whatever
+    the batch budget (trees split), and known nodes are kept as given."""
+    model = policy(model_state)
+    trees = hand_trees()
+    bare = RolloutTree.new("bare", "q", ["x"], [4, 5, 6])  # a root nothing was sampled from
+    trees.append(bare)
+    want = {}
+    with torch.no_grad():
+        for t in trees:
+            for n in t.nodes:
+                ids = torch.tensor([t.prefix_ids(n.id)])
+                want[(t.tree_id, n.id)] = model.model(input_ids=ids).last_hidden_state[0, -1]
+    for budget in (4096, 20):
+        got = node_features(model, trees, batch_tokens=budget)
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k].double(), v.float().double(), rtol=1e-6,
+                                       atol=1e-6, msg=str(k))
+    known = {("a", 2): torch.full((64,), 7.0)}
+    got = node_features(model, trees, batch_tokens=4096, known=known)
+    assert torch.equal(got[("a", 2)], known[("a", 2)])
+
+
+def test_ppo_epochs_pass_over_every_tree_each_time_in_fresh_splits():
+    """The DataModule's packed mini-batches: each pass holds every (leaf, token) pair once,
+    whole trees per mini-batch, split afresh each pass; the divisor is the pass's pairs."""
+    from types import SimpleNamespace
+
+    from trace_lightning.collect import RolloutStep
+    from trace_lightning.data import TraceDataModule
+    from trace_lightning.tree import Budget
+
+    trees = [t for seed in range(4) for t in hand_trees(seed)]
+    for i, t in enumerate(trees):
+        t.tree_id = f"{t.tree_id}{i}"
+        t.root.token_ids[0] = 30 + i  # the first token names the tree
+    seqs = sequences(trees, "tree_grpo")
+    step = RolloutStep(epoch=3, trees=trees, candidates=12, root_plan=[1] * 12,
+                       sequences=seqs, budget=Budget(leaves=len(seqs)))
+    dm = TraceDataModule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
+                         ppo_epochs=3)
+    dm.tokenizer = SimpleNamespace(pad_token_id=0)
+    batches = dm._batches(step)
+    assert len(batches) == 6
+    pairs = sum(sum(s.policy_mask) for s in seqs)
+    unique = sum(unique_tokens(t) for t in trees)
+    for e in range(3):
+        one_pass = batches[2 * e: 2 * e + 2]
+        assert sum(b["n_tokens"] for b in one_pass) == pairs
+        assert sum(float(mb["count"].sum()) for b in one_pass for mb in b["micro"]) == pairs
+        real = sum(int((mb["input_ids"] != 0).sum()) for b in one_pass for mb in b["micro"])
+        assert real == unique  # every token of every tree once (token ids are >= 1, pad 0)
+    def firsts(batch):  # the trees of a mini-batch, by the first token of each unit
+        return sorted(int(mb["input_ids"][r, o]) - 30 for mb in batch["micro"]
+                      for r, o in mb["offsets"].tolist())
+
+    for e in range(3):
+        assert sorted(firsts(batches[2 * e]) + firsts(batches[2 * e + 1])) == list(range(12))
+    assert len({tuple(firsts(batches[2 * e])) for e in range(3)}) > 1  # split afresh
