@@ -397,3 +397,32 @@ def test_ppo_epochs_pass_over_every_tree_each_time_in_fresh_splits():
     for e in range(3):
         assert sorted(firsts(batches[2 * e]) + firsts(batches[2 * e + 1])) == list(range(12))
     assert len({tuple(firsts(batches[2 * e])) for e in range(3)}) > 1  # split afresh
+
+
+@pytest.mark.slow
+def test_flex_attention_block_mask_gives_the_sdpa_mask_log_probs(model_state):
+    """On CUDA, "auto" attention is FlexAttention with a block mask of the same tree; its
+    forward runs on CPU too (its backward does not), so the mask is checked here: the same
+    log-probs as the SDPA mask's (compiling it takes about 30 s)."""
+    from trace_lightning.module import flex_attention_available
+
+    if not flex_attention_available():
+        pytest.skip("this torch/transformers has no FlexAttention")
+    trees = hand_trees()
+    mb = packed_micro(trees, sequences(trees, "grpo"), 4096)[0]
+    model = policy(model_state, torch.float32)
+    with torch.no_grad():
+        want, _ = TraceModule._logprobs(model, mb)
+        model.set_attn_implementation("flex_attention")
+        got, _ = TraceModule._logprobs(model, mb)
+    assert model.config._attn_implementation == "flex_attention"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_auto_is_sdpa_on_cpu_and_a_bad_kind_is_named(tmp_path):
+    module = TraceModule(policy_path=str(tmp_path))
+    assert module.attention_implementation() == "sdpa"  # no CUDA device here
+    assert TraceModule(policy_path=str(tmp_path),
+                       attention="sdpa").attention_implementation() == "sdpa"
+    with pytest.raises(ValueError, match=r"--model.attention \('flash'\)"):
+        TraceModule(policy_path=str(tmp_path), attention="flash")
