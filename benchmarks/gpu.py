@@ -25,6 +25,10 @@ One Qwen3-0.6B-shaped model with random weights (no download), bf16, SDPA attent
    (``torch.compile`` of each decoder layer). ``weight_updated_frac``: share of one weight
    matrix's entries changed by the timed steps at ``--lr``; bf16 weights drop AdamW updates
    smaller than half their rounding step (about 0.4% of the weight).
+   ``ours_packed`` (and ``ours_packed_compiled``): ours on Search-R1-shaped trees, each
+   packed as one sequence (``TraceModule(tree_packing=True)``: FlexAttention with a block
+   mask on CUDA); its tokens/s and MFU count the leaves' tokens (the per-leaf work it
+   replaces: an equivalent throughput), ``forwarded_share`` the tokens it actually forwards.
 4. ``generation``: ``HFEngine`` (its own KV-cached sampling loop) at batch ``--gen-batch``,
    ``--gen-new`` new tokens, ~``--gen-prompt``-token prompts; and ``hf_generate``
    (transformers ``generate``, sampling) on the same prompts.
@@ -136,8 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="also time plain and ours with torch.compile'd decoder layers")
     p.add_argument("--sections", default="all",
-                   help="comma list of: model, padding, logprobs, plain, ours, "
-                        "ours_fp32_master, ours_auto, "
+                   help="comma list of: model, padding, logprobs, plain, ours, ours_packed, "
+                        "ours_fp32_master, ours_auto, ours_packed_compiled, "
                         "generation, hf_generate, plain_unchunked, plain_compiled, "
                         "ours_compiled (the last two need --compile)")
     p.add_argument("--budget-s", type=float, default=280.0,
@@ -273,6 +277,44 @@ def synth_minibatches(s: Setup, n: int, rng: random.Random) -> list[dict]:
                     "n_tokens": float(sum(sum(q.policy_mask) for q in seqs)),
                     "lengths": [len(q.input_ids) for q in seqs],
                     "padded": sum(m["input_ids"].numel() for m in micro)})
+    return out
+
+
+def synth_tree_minibatches(s: Setup, n: int, seed: int) -> list[dict]:
+    """``n`` mini-batch dicts like ``synth_minibatches``'s, of Search-R1-shaped trees
+    (``benchmarks/update.py``'s, their lengths scaled to ``--seq``: at 2048 a 300-token
+    prompt and 3 turns of 100 generated + 450 observation tokens), each tree packed as one
+    sequence (``tree_packing``): about ``accum * batch * seq`` tokens over leaves per
+    mini-batch; ``lengths`` are the leaves' (the per-leaf work, for FLOPs and tokens/s)."""
+    from trace_lightning.advantage import assign_advantages
+    from trace_lightning.tree_packing import tree_minibatches, update_units
+
+    spec = importlib.util.spec_from_file_location("bench_update",
+                                                  Path(__file__).with_name("update.py"))
+    update = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(update)
+    a = s.args
+    target, budget = a.accum * a.batch * a.seq, a.batch * a.seq
+    scale = a.seq / 2048
+    out = []
+    for k in range(n):
+        trees, leaves = [], []
+        while sum(len(q.input_ids) for q in leaves) < target:
+            (t,) = update.search_r1_trees(
+                s.config.vocab_size, seed * 1000 + k * 100 + len(trees), prompts=1,
+                prompt_len=max(2, int(300 * scale)), generated=max(1, int(100 * scale)),
+                observed=max(1, int(450 * scale)))
+            t.tree_id = f"{k}-{len(trees)}"
+            seqs = t.flatten()
+            for q, adv in zip(seqs, assign_advantages(seqs, [t], "grpo")):
+                q.token_advantages = adv
+            trees.append(update_units(t, seqs, budget))
+            leaves += seqs
+        (mini,) = tree_minibatches(trees, 1, budget, s.pad_id, seed=k)
+        out.append({"micro": mini["micro"], "n_tokens": mini["n_tokens"],
+                    "lengths": [len(q.input_ids) for q in leaves],
+                    "padded": sum(m["input_ids"].numel() for m in mini["micro"]),
+                    "unique": sum(len(u) for us in trees for u in us)})
     return out
 
 
@@ -512,13 +554,15 @@ class _StepTimer(L.Callback):
 
 
 def section_ours(s: Setup, path: Path, fp32_master: bool = False, compiled: bool = False,
-                 fsdp: bool = True) -> dict:
+                 fsdp: bool = True, packed: bool = False) -> dict:
     a = s.args
     warmup = a.warmup + (2 if compiled else 0)
-    items = synth_minibatches(s, warmup + a.steps, random.Random(a.seed + 4))
+    items = (synth_tree_minibatches(s, warmup + a.steps, a.seed + 6) if packed
+             else synth_minibatches(s, warmup + a.steps, random.Random(a.seed + 4)))
     dtype = "float32" if fp32_master else s.dtype_name
     precision = "bf16-mixed" if fp32_master else s.precision
-    kwargs = dict(policy_path=str(path), dtype=dtype, lr=a.lr, compile_layers=compiled)
+    kwargs = dict(policy_path=str(path), dtype=dtype, lr=a.lr, compile_layers=compiled,
+                  tree_packing=packed)
     module = TraceModule(**kwargs)
     timer = _StepTimer(s, warmup)
     if fsdp:
@@ -541,13 +585,18 @@ def section_ours(s: Setup, path: Path, fp32_master: bool = False, compiled: bool
            "tokens_per_s_median_batch": statistics.median(per_batch),
            "tokens_per_step": tokens / a.steps,
            "micro_per_step": statistics.mean(len(it["micro"]) for it in timed),
-           "padding_share": 1.0 - tokens / sum(it["padded"] for it in timed),
+           "padding_share": 1.0 - sum(it.get("unique", sum(it["lengths"])) for it in timed)
+           / sum(it["padded"] for it in timed),
            "policy_token_share": sum(it["n_tokens"] for it in timed) / tokens,
            "peak_gib": s.peak_gib(), "setup_s": timer.t_first - timer.t_fit,
            "weight_updated_frac": timer.updated_frac, "attn_implementation": timer.attn,
            "precision": precision, "dtype": dtype,
            "strategy": type(trainer.strategy).__name__,
            "fsdp_root": type(module.policy).__name__, "compiled": compiled,
+           # packed: tokens actually forwarded over the leaves' tokens (tokens/s and MFU
+           # above count the leaves': the per-leaf work, an equivalent throughput)
+           "forwarded_share": (sum(it["unique"] for it in timed) / tokens if packed
+                               else None),
            "graphs_compiled_while_timed": timer.graphs}
     del trainer, module, loader, items, timer
     s.free()
@@ -772,7 +821,10 @@ def main(argv: list[str] | None = None) -> dict:
     run("plain", lambda: section_plain(s, path))
     run("ours", lambda: section_ours(s, path))
     run("generation", lambda: section_generation(s, path))
+    run("ours_packed", lambda: section_ours(s, path, packed=True))
     run("ours_compiled", lambda: section_ours(s, path, compiled=True), needs_compile=True)
+    run("ours_packed_compiled", lambda: section_ours(s, path, compiled=True, packed=True),
+        needs_compile=True)
     run("plain_compiled", lambda: section_plain(s, path, compiled=True), needs_compile=True)
     run("logprobs", lambda: section_logprobs(s))
     run("hf_generate", lambda: section_hf_generate(s, path))
@@ -793,7 +845,9 @@ def main(argv: list[str] | None = None) -> dict:
     ratios, flop_ratios = {}, {}
     for num, den in (("ours", "plain"), ("ours_fp32_master", "plain"), ("ours_auto", "plain"),
                      ("plain", "plain_unchunked"), ("plain_compiled", "plain"),
-                     ("ours_compiled", "plain"), ("ours_compiled", "plain_compiled")):
+                     ("ours_compiled", "plain"), ("ours_compiled", "plain_compiled"),
+                     ("ours_packed", "plain"), ("ours_packed", "ours"),
+                     ("ours_packed_compiled", "plain_compiled")):
         if tps(num) and tps(den):
             ratios[f"{num}/{den}"] = tps(num) / tps(den)
         if mfu(num) and mfu(den):

@@ -108,8 +108,9 @@ class TraceModule(L.LightningModule):
             pass per tree; the objective is the per-leaf one exactly
             (``trace_lightning.tree_packing``). False: one row per leaf, mini-batches of
             loose leaves (for comparison).
-        attention: the policy's attention kernel: "auto" (FlexAttention with a block mask on
-            CUDA where torch and transformers offer it, else "sdpa"), "sdpa" (a 4D boolean
+        attention: the policy's attention kernel: "auto" (with ``tree_packing`` on CUDA,
+            FlexAttention with a block mask where torch and transformers offer it; else
+            "sdpa"), "sdpa" (a 4D boolean
             mask for packed trees) or "flex_attention".
     """
 
@@ -219,8 +220,9 @@ class TraceModule(L.LightningModule):
         the device the policy trains on."""
         kind = self.hparams.attention
         on_cuda = self._trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        if kind == "auto":
-            return "flex_attention" if on_cuda and flex_attention_available() else "sdpa"
+        if kind == "auto":  # per-leaf rows are causal: SDPA's flash kernel needs no mask
+            packed = self.hparams.tree_packing and flex_attention_available()
+            return "flex_attention" if on_cuda and packed else "sdpa"
         if kind == "flex_attention" and not flex_attention_available():
             raise ValueError("--model.attention ('flex_attention'): this torch/transformers "
                              "has no FlexAttention; use 'sdpa' or 'auto'")
