@@ -35,6 +35,7 @@ import numpy as np
 from trace_lightning.calibration import (brier, brier_baseline, brier_skill,
                                          expected_calibration_error, spearman)
 from trace_lightning.tree import RolloutTree
+from trace_lightning.tree_packing import unique_tokens
 
 if TYPE_CHECKING:
     from trace_lightning.collect import RolloutStep
@@ -152,7 +153,7 @@ class StepSummary:
     trees: list[TreeSummary]
     advantages: list[float]  # per training sequence (leaf)
     policy_tokens: int  # sum over sequences of policy tokens (what the loss trains on)
-    sequence_tokens: int  # sum over sequences of all tokens (what the forward pass reads)
+    sequence_tokens: int  # sum over sequences of all tokens (a per-leaf forward reads them)
     candidates: int
     root_plan: list[int]  # global: rollouts per candidate (0 = filtered out)
     pool_returned: int
@@ -160,6 +161,7 @@ class StepSummary:
     seconds: dict[str, float] = field(default_factory=dict)
     cold_start: bool = False
     engine_calls: int = 0  # turns of the step (merged: the most of any rank)
+    tree_tokens: int = 0  # tokens of the trees' leaf paths, each once (a packed forward's)
 
 
 def summarize_step(step: RolloutStep) -> StepSummary:
@@ -173,7 +175,8 @@ def summarize_step(step: RolloutStep) -> StepSummary:
         candidates=step.candidates, root_plan=list(step.root_plan),
         pool_returned=step.pool_returned, budget=asdict(step.budget),
         seconds=dict(step.seconds), cold_start=step.cold_start,
-        engine_calls=step.engine_calls)
+        engine_calls=step.engine_calls,
+        tree_tokens=sum(unique_tokens(t) for t in step.trees if t.leaves()))
 
 
 def merge_summaries(parts: Sequence[StepSummary]) -> StepSummary:
@@ -195,7 +198,8 @@ def merge_summaries(parts: Sequence[StepSummary]) -> StepSummary:
         sequence_tokens=sum(p.sequence_tokens for p in parts),
         candidates=first.candidates, root_plan=first.root_plan,
         pool_returned=sum(p.pool_returned for p in parts), budget=budget, seconds=seconds,
-        cold_start=first.cold_start, engine_calls=max(p.engine_calls for p in parts))
+        cold_start=first.cold_start, engine_calls=max(p.engine_calls for p in parts),
+        tree_tokens=sum(p.tree_tokens for p in parts))
 
 
 # ---- metric sets -----------------------------------------------------------------------------

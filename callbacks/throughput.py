@@ -16,8 +16,9 @@ At epoch start (the step is ready, see ``callbacks._common``), over all ranks:
 At epoch end: ``perf/train_s`` (time inside training batches, slowest rank: validation and
 rollouts excluded), ``perf/train_tokens_per_s`` (policy tokens, the ones the loss trains on,
 of every rank, times the datamodule's ``ppo_epochs`` passes / ``train_s``),
-``perf/train_all_tokens_per_s`` (all sequence tokens, what the forward passes read; both only
-for an epoch with a rollout step), ``perf/epoch_s`` (wall time since the previous epoch ended: rollout +
+``perf/train_all_tokens_per_s`` (all tokens of the leaves' sequences: the per-leaf work) and
+``perf/train_forwarded_tokens_per_s`` (the tokens the forward passes read: with tree packing
+each tree's once; all three only for an epoch with a rollout step), ``perf/epoch_s`` (wall time since the previous epoch ended: rollout +
 training + validation), ``perf/rss_gb`` and ``perf/peak_rss_gb`` (host memory of the
 largest rank, current and peak), and on CUDA ``perf/cuda_max_allocated_gb`` /
 ``perf/cuda_max_reserved_gb`` (peak since start, largest rank).
@@ -55,8 +56,8 @@ class Throughput(RolloutCallback):
             raise ValueError(f"Throughput every_n_epochs ({every_n_epochs}) must be >= 1")
         self.every_n_epochs = every_n_epochs
         self.last_metrics: dict[str, float] = {}
-        # (policy, all) tokens trained on this epoch, every rank's; None: no rollout step
-        self._epoch_tokens: tuple[int, int] | None = None
+        # (policy, all, forwarded) tokens trained on this epoch, every rank's; None: no step
+        self._epoch_tokens: tuple[int, int, int] | None = None
         self._train_s = 0.0
         self._batch_tic: float | None = None
         self._last_epoch_end: float | None = None
@@ -81,8 +82,11 @@ class Throughput(RolloutCallback):
         out: dict[str, float] = {}
         if summary is not None:
             passes = getattr(dm, "ppo_epochs", 1)  # each pass trains on every leaf once
+            # a packed tree's forward reads each of its tokens once
+            forwarded = (summary.tree_tokens if getattr(dm, "tree_packing", False)
+                         else summary.sequence_tokens)
             self._epoch_tokens = (summary.policy_tokens * passes,
-                                  summary.sequence_tokens * passes)
+                                  summary.sequence_tokens * passes, forwarded * passes)
             b, sec = summary.budget, summary.seconds
             out["perf/rollout_tokens_per_s"] = ratio(b.get("generated_tokens", 0),
                                                      sec.get("rollout", 0.0))
@@ -129,6 +133,7 @@ class Throughput(RolloutCallback):
         if self._epoch_tokens is not None:  # the same on every rank (gathered at start)
             out["perf/train_tokens_per_s"] = ratio(self._epoch_tokens[0], train_s)
             out["perf/train_all_tokens_per_s"] = ratio(self._epoch_tokens[1], train_s)
+            out["perf/train_forwarded_tokens_per_s"] = ratio(self._epoch_tokens[2], train_s)
         if "cuda_alloc" in mine:
             out["perf/cuda_max_allocated_gb"] = max(p["cuda_alloc"] for p in parts)
             out["perf/cuda_max_reserved_gb"] = max(p["cuda_reserved"] for p in parts)

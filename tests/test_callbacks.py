@@ -220,6 +220,29 @@ def test_train_tokens_count_every_ppo_pass_and_only_epochs_with_a_step(tmp_path)
     assert rate.step == secs.step and rate.value * secs.value == pytest.approx(2 * tokens,
                                                                                 rel=1e-4)
     assert len(acc.Scalars("perf/train_all_tokens_per_s")) == 1
+    # per leaf (StepData packs nothing) the forwards read every leaf's tokens
+    (every,), (forwarded,) = (acc.Scalars("perf/train_all_tokens_per_s"),
+                              acc.Scalars("perf/train_forwarded_tokens_per_s"))
+    assert forwarded.value == pytest.approx(every.value, rel=1e-6)
+
+
+def test_forwarded_tokens_of_packed_trees_count_each_tree_token_once(tmp_path):
+    """With tree packing, the forwards read each tree's tokens once: the trees' unique tokens,
+    fewer than the leaves' sequences hold where leaves share prefixes."""
+    from trace_lightning.tree_packing import unique_tokens
+
+    dm = StepData([build_step(0)])
+    dm.tree_packing = True
+    t = trainer(tmp_path, [Throughput()], max_epochs=1)
+    t.fit(TinyModule(), datamodule=dm)
+    acc = read_events(t.logger.log_dir)
+    step = build_step()
+    unique = sum(unique_tokens(tr) for tr in step.trees if tr.leaves())
+    every = sum(len(s.input_ids) for s in step.sequences)
+    assert unique < every
+    (rate,), (secs,) = (acc.Scalars("perf/train_forwarded_tokens_per_s"),
+                        acc.Scalars("perf/train_s"))
+    assert rate.value * secs.value == pytest.approx(unique, rel=1e-4)
 
 
 def test_histograms(run):
