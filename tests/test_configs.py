@@ -1,5 +1,6 @@
-"""Every shipped config parses through the real CLI and documents every key; the Dockerfile
-installs what the README says GPU nodes get, and its build context keeps what it copies."""
+"""Every shipped config parses through the real CLI, builds its objects (data the demo would
+ignore is refused) and documents every key; the Dockerfile installs what the README says GPU
+nodes get, and its build context keeps what it copies."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from trace_lightning.cli import main
+from trace_lightning.cli import cli, main
+from trace_lightning.data import TraceDataModule
+from trace_lightning.data_config import DemoConfig, EvalSet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -31,6 +34,46 @@ def test_config_parses(config, capsys):
     if config.name.startswith("demo_") and config.name != "demo_gpu.yaml":
         kind = config.stem.removeprefix("demo_")
         assert re.search(rf"kind: {kind}\b", resolved), resolved
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_config_builds_its_module_and_datamodule(config):
+    """``--print_config`` never runs the classes' own checks (a setting the demo would
+    ignore, say): each config's module, datamodule and callbacks are built, on one CPU
+    process for the GPU configs."""
+    chain = ["--config", str(config)]
+    if config.name in OVERLAYS:
+        chain = ["--config", str(REPO / "configs" / "demo.yaml"), *chain]
+    built = cli([*chain, "--trainer.accelerator=cpu", "--trainer.strategy=auto",
+                 "--trainer.devices=1"], run=False)
+    assert (built.datamodule.demo is None) == (config.name == "hotpotqa_qwen3.yaml")
+    assert built.trainer.checkpoint_callback is not None
+
+
+@pytest.mark.parametrize("given, named", [
+    (["--data.train=mine.jsonl", "--data.corpus=wiki.jsonl"],
+     "--data.train ('mine.jsonl'), --data.corpus ('wiki.jsonl') and --data.demo are both set"),
+    (["--data.retriever_url=http://127.0.0.1:8000"],
+     "--data.retriever_url ('http://127.0.0.1:8000') and --data.demo are both set"),
+])
+def test_data_the_demo_would_ignore_is_an_error(tmp_path, given, named):
+    """``fit --config configs/demo.yaml --data.train=X --data.corpus=Y`` trained on the demo
+    world and exited 0. Now it stops before any work, naming both flags and the fix."""
+    with pytest.raises(ValueError) as err:
+        main(["fit", "--config", str(REPO / "configs" / "demo.yaml"),
+              f"--data.demo.out_dir={tmp_path / 'world'}",
+              f"--trainer.default_root_dir={tmp_path}", *given])
+    assert str(err.value).startswith(named)
+    assert "set --data.demo=null to use yours" in str(err.value)
+    assert not (tmp_path / "world").exists()  # no demo built
+
+
+def test_what_the_demo_uses_beside_it_is_allowed(tmp_path):
+    """The demo keeps a validation set given, and the server serves one without a corpus."""
+    own = EvalSet("mine", str(tmp_path / "dev.jsonl"))
+    dm = TraceDataModule(demo=DemoConfig(out_dir=str(tmp_path)), policy_path="p", val=[own],
+                         retriever_url="http://127.0.0.1:8000", train_limit=10)
+    assert dm.val_sets == [own]
 
 
 # A key line: `key:` or a list item's first key `- key:` (flow mappings `{a: 1}` are values).

@@ -273,12 +273,12 @@ def last_checkpoint(trainer: Trainer) -> tuple[Path | None, list[str]]:
     return max(found, key=lambda p: p.stat().st_mtime), patterns
 
 
-def cli(args: list[str] | None = None) -> TraceCLI:
+def cli(args: list[str] | None = None, run: bool = True) -> TraceCLI:
     """Run the CLI on ``args`` (default: sys.argv) and return it: tests read its trainer,
-    model and datamodule."""
+    model and datamodule. ``run=False``: only build them (``args`` without a subcommand)."""
     return TraceCLI(
         TraceModule, TraceDataModule,
-        args=args,
+        args=args, run=run,
         # the DataModule shards prompts over ranks itself: no DistributedSampler on top
         trainer_defaults={"reload_dataloaders_every_n_epochs": 1, "num_sanity_val_steps": 0,
                           "check_val_every_n_epoch": 1, "use_distributed_sampler": False},

@@ -201,6 +201,22 @@ class TraceDataModule(L.LightningDataModule):
             raise ValueError(f"--data.candidates_per_step ({self.candidates_per_step}) is smaller "
                              f"than the {needed} prompts allocator {self.allocator.kind!r} needs "
                              f"per step; raise it or lower --data.allocator.roots")
+        if self.demo is not None:
+            # the demo trains on its own questions and searches its own corpora (its held-out
+            # set too): these would be ignored; the server still serves a --data.val set
+            # without a corpus of its own
+            ignored = [(f, v) for f, v in (("--data.train", self.train_path),
+                                           ("--data.corpus", self.corpus)) if v]
+            if self.retriever_url and all(v.corpus for v in self.val_sets):
+                ignored.append(("--data.retriever_url", self.retriever_url))
+            if ignored:
+                given = ", ".join(f"{f} ({v!r})" for f, v in ignored)
+                flags = ", ".join(f for f, _ in ignored)
+                raise ValueError(
+                    f"{given} and --data.demo are both set: the demo world trains on its own "
+                    f"questions and searches its own corpora, so {flags} would be ignored; set "
+                    f"--data.demo=null to use yours (configs/demo.yaml sets data.demo), or "
+                    f"leave them out to train on the demo world")
 
     # ---- Lightning hooks ----------------------------------------------------------------
     def prepare_data(self) -> None:
