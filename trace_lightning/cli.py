@@ -18,6 +18,9 @@ silently); settings that differ from the checkpoint's are listed in a warning, a
 ``fit`` from a checkpoint that already trained ``--trainer.max_epochs`` epochs says so
 before the engine starts.
 
+Errors are one line (``TRACE_LIGHTNING_DEBUG=1``: with the traceback, or the usage); a run
+that fails removes the log folder it created if it wrote nothing into it.
+
 ``main(args)`` takes the argument list so tests can run the CLI in-process; ``cli(args)``
 does the same and returns the ``LightningCLI`` object.
 """
@@ -29,6 +32,7 @@ import json
 import logging
 import os
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -45,6 +49,8 @@ from trace_lightning.export import checkpoint_meta  # noqa: E402
 from trace_lightning.module import TraceModule  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+DEBUG_ENV = "TRACE_LIGHTNING_DEBUG"  # set: errors with their traceback (see main)
 
 
 class TraceCLI(LightningCLI):
@@ -78,6 +84,24 @@ class TraceCLI(LightningCLI):
             if inner is None:
                 raise
             raise ValueError(inner) from None
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's; a run that fails removes the log folders it created and wrote
+        nothing into (``remove_unused_log_dir``): a setup error left an empty
+        ``version_<N>`` behind, one per attempt."""
+        created = [(Path(d), _first_missing(Path(d))) for d in self._log_dirs()
+                   if not Path(d).exists()]
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            if self.trainer.is_global_zero:  # the process that writes the logs
+                for log_dir, top in created:
+                    remove_unused_log_dir(log_dir, top)
+            raise
+
+    def _log_dirs(self) -> list[str]:
+        """The loggers' version folders (``<save_dir>/<name>/version_<N>``); asking fixes N."""
+        return [lg.log_dir for lg in self.trainer.loggers if lg.log_dir]
 
     def before_fit(self) -> None:
         # the callbacks' own setup checks would run only after the datamodule's prepare_data
@@ -207,9 +231,25 @@ def union_error(message: str) -> str | None:
 
 
 class TraceParser(LightningArgumentParser):
-    """Lightning's parser, with a bad value in a section typed ``X | None``
-    (``--data.engine.kind=vlm``) reported as its own error instead of jsonargparse's dump of
-    every Union subtype (see ``union_error``)."""
+    """Lightning's parser, whose errors are one line, ``error: <message>`` (jsonargparse
+    prints the whole usage, about 90 lines, before it; ``TRACE_LIGHTNING_DEBUG=1`` still
+    does), with
+
+    - a bad value in a section typed ``X | None`` (``--data.engine.kind=vlm``) reported as
+      its own error instead of jsonargparse's dump of every Union subtype (``union_error``);
+    - a YAML syntax error in a ``--config`` file named by the file, line and column
+      (PyYAML reads the file's text, which it calls "<unicode string>")."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._reading: list[str] = []  # the --config files being parsed, innermost last
+
+    def parse_path(self, path, *args, **kwargs):
+        self._reading.append(str(path))
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        finally:
+            self._reading.pop()
 
     def error(self, message: str, ex: Exception | None = None):
         section, sep, rest = message.partition(":\n")  # 'Parser key "data.engine"'
@@ -219,7 +259,82 @@ class TraceParser(LightningArgumentParser):
             nested = re.match(r'key "([^"]+)": (.*)', inner, re.S)
             message = (f'{section[:-1]}.{nested[1]}": {nested[2]}' if nested
                        else f"{section}: {inner}")
-        return super().error(message, ex)
+        if self._reading and ex is not None:
+            message = yaml_error(self._reading[-1], ex.__cause__) or message
+        if not self.exit_on_error or debugging():
+            return super().error(message, ex)  # the usage too (or an ArgumentError raised)
+        sys.stderr.write(f"error: {message}\n")
+        self.exit(2)
+
+
+def yaml_error(path: str, error: BaseException | None) -> str | None:
+    """``<path>, line L, column C: <problem> (<context> at line L, column C)`` for a YAML
+    syntax error in the file ``path``; None for another error."""
+    import yaml
+
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
+        return None
+
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    context = (f" ({error.context} at {at(error.context_mark)})"
+               if error.context and error.context_mark else "")
+    return (f"{path}, {at(error.problem_mark)}: {error.problem}{context}; the file is not "
+            f"valid YAML")
+
+
+def debugging() -> bool:
+    """``TRACE_LIGHTNING_DEBUG`` is set (not empty or 0): errors come with their traceback
+    (and parse errors with the usage)."""
+    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+
+
+def remove_unused_log_dir(log_dir: Path, top: Path) -> None:
+    """Remove ``log_dir``, a logger's folder this run created, if the run wrote no result
+    into it: it holds only TensorBoard event files with no record after their header, and
+    the CLI's ``config.yaml`` of this run. Then its parents up to ``top`` (the first folder
+    this run created) that are left empty. Any other file keeps the folder, and a folder
+    this run did not create is never passed here."""
+    if not log_dir.is_dir():
+        return
+    entries = list(log_dir.iterdir())
+    if not all(e.is_file() and not e.is_symlink()
+               and (e.name == "config.yaml" or _empty_event_file(e)) for e in entries):
+        return
+    for e in entries:
+        e.unlink()
+    folder = log_dir
+    while True:
+        try:
+            folder.rmdir()  # only an empty folder
+        except OSError:
+            return
+        if folder == top:
+            return
+        folder = folder.parent
+
+
+def _empty_event_file(path: Path) -> bool:
+    """``path`` is a TensorBoard event file with no record after the file-version record
+    every writer starts with (TFRecord framing: 8-byte length, 4-byte CRC, data, 4-byte
+    CRC), or with none yet."""
+    import struct
+
+    if not path.name.startswith("events.out.tfevents."):
+        return False
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+    return size == 0 or (len(head) == 8 and size == struct.unpack("<Q", head)[0] + 16)
+
+
+def _first_missing(path: Path) -> Path:
+    """The outermost folder of ``path`` (itself included) that does not exist yet."""
+    path = path.absolute()
+    while not path.parent.exists():
+        path = path.parent
+    return path
 
 
 def setting_differences(given: dict, saved: dict | None) -> list[str]:
@@ -291,8 +406,33 @@ def cli(args: list[str] | None = None, run: bool = True) -> TraceCLI:
 
 
 def main(args: list[str] | None = None) -> None:
-    """The ``trace-lightning`` console script (returns None: exit status 0 on success)."""
+    """The ``trace-lightning`` console script (returns None: exit status 0 on success).
+
+    An error that reaches the interpreter is printed as one line, ``error: <type>:
+    <message>`` (exit status 1), not Python's traceback of Lightning's frames above it
+    (15 to 51 lines); ``TRACE_LIGHTNING_DEBUG=1`` prints the traceback. A caller that
+    catches it (a test, a notebook) gets the exception as raised."""
+    global _excepthook
+    if _excepthook is None:
+        _excepthook = sys.excepthook
+        sys.excepthook = _one_line_errors
     cli(args)
+
+
+_excepthook = None  # the hook main replaced by _one_line_errors
+
+
+def _one_line_errors(kind, value, traceback) -> None:
+    """``sys.excepthook`` for an Exception raised through ``main``: its one line (the hook
+    before it for anything else, and under ``TRACE_LIGHTNING_DEBUG``)."""
+    frame, through_main = traceback, False
+    while frame is not None and not through_main:
+        through_main, frame = frame.tb_frame.f_code is main.__code__, frame.tb_next
+    if through_main and issubclass(kind, Exception) and not debugging():
+        sys.stderr.write(f"error: {kind.__name__}: {value} (TRACE_LIGHTNING_DEBUG=1 prints "
+                         f"the traceback)\n")
+    else:
+        _excepthook(kind, value, traceback)
 
 
 if __name__ == "__main__":
