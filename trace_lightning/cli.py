@@ -3,12 +3,14 @@
     trace-lightning fit --config configs/demo.yaml
     trace-lightning validate --config configs/demo.yaml --ckpt_path last
 
-``--ckpt_path last`` means the newest ``last*.ckpt`` that a run with the same logger (or
+``--ckpt_path last`` means the newest intact checkpoint that a run with the same logger (or
 ``ModelCheckpoint.dirpath``) saved before, in any of its versions: each run logs to a new
 ``version_<N>``, where Lightning's own lookup would find nothing and quietly use the initial
-weights. ``validate --ckpt_path last`` that finds none is an error (``validate`` without
-``--ckpt_path`` scores ``--model.policy_path``); ``fit`` then starts from
-``--model.policy_path``.
+weights. Intact: it loads; a ``last.ckpt`` linking to a deleted file, or a file cut short by a
+stop during its save, is skipped with a warning (``last_checkpoint``). ``validate --ckpt_path
+last`` that finds none is an error (``validate`` without ``--ckpt_path`` scores
+``--model.policy_path``); ``fit`` then starts from ``--model.policy_path``, unless there are
+checkpoints and none loads (an error naming them).
 With several processes, each resolves it in its own file system and the datamodule's setup
 checks that all found the same checkpoint (``TraceDataModule.expect_checkpoint``).
 
@@ -133,26 +135,34 @@ class TraceCLI(LightningCLI):
             check_output_dir(path, flag)
 
     def _resolve_checkpoint(self, required: bool) -> None:
-        """Replace ``--ckpt_path last`` by the path of the newest last checkpoint, and tell
+        """Replace ``--ckpt_path last`` by the path of the newest intact checkpoint, and tell
         the datamodule which checkpoint this process loads: its setup checks that every
         process found the same one (``TraceDataModule.expect_checkpoint``)."""
         config = self.config_init[self.subcommand]
         path, error = config.get("ckpt_path"), None
         if path == "last":
-            found, searched = last_checkpoint(self.trainer)
-            if found is None and required:
+            found, searched, skipped = last_checkpoint(self.trainer)
+            if found is None and skipped:  # not a fresh start: say which did not load
                 error = FileNotFoundError(
-                    f"--ckpt_path last: no last checkpoint (last*.ckpt) in "
-                    f"{', '.join(searched)}; train first (ModelCheckpoint(save_last=...), as in "
+                    f"--ckpt_path last: no checkpoint in {', '.join(searched)} loads: "
+                    f"{'; '.join(skipped)}; pass the path of a checkpoint that does, or leave "
+                    f"--ckpt_path out to start from --model.policy_path's weights")
+            elif found is None and required:
+                error = FileNotFoundError(
+                    f"--ckpt_path last: no last checkpoint (*.ckpt) in "
+                    f"{', '.join(searched)}; train first (ModelCheckpoint, as in "
                     f"configs/demo.yaml, writes one there), pass a checkpoint's path, or leave "
                     f"--ckpt_path out to use --model.policy_path's weights")
-                if self.trainer.world_size == 1:
-                    raise error  # at once; with several processes, in setup on every one
             elif found is None:
                 log.warning("--ckpt_path last: no last checkpoint in %s yet; training starts "
                             "from --model.policy_path", ", ".join(searched))
             else:
+                if skipped:
+                    log.warning("--ckpt_path last: %s, the newest checkpoint that loads; "
+                                "skipped the newer %s", found, "; ".join(skipped))
                 log.info("--ckpt_path last: %s", found)
+            if error is not None and self.trainer.world_size == 1:
+                raise error  # at once; with several processes, in setup on every one
             path = config["ckpt_path"] = None if found is None else str(found)
         self.datamodule.expect_checkpoint(path, error)
         if path is not None and error is None:
@@ -355,37 +365,54 @@ def trained_epochs(meta: dict) -> int:
     return int(progress.get("current", {}).get("processed", 0))
 
 
-def last_checkpoint(trainer: Trainer) -> tuple[Path | None, list[str]]:
-    """The newest ``last*.ckpt`` (a file, or a folder for sharded FSDP checkpoints) that this
-    trainer's checkpoint callbacks wrote in earlier runs, and the places searched (patterns).
+def last_checkpoint(trainer: Trainer) -> tuple[Path | None, list[str], list[str]]:
+    """The checkpoint ``--ckpt_path last`` means: the newest intact one of those this
+    trainer's checkpoint callbacks wrote in earlier runs (a ``.ckpt`` file, or a folder for
+    sharded FSDP checkpoints); the places searched (patterns); and the newer ones skipped,
+    each with why.
+
+    Newest is the latest saved (modification time; a ``last.ckpt`` before the checkpoint it
+    links to), as in Lightning's own lookup: of two runs from scratch with one logger, the
+    later one's. Intact: it loads (``checkpoints.load_problem``). A stop at any moment of a
+    save leaves one: stopped after Lightning deleted the previous checkpoint and before it
+    linked ``last.ckpt`` to the new one, the link points at the deleted file and the new
+    one is the newest; stopped while a file was written (Lightning copies it from a
+    temporary file when the temporary folder is on another file system), that file is cut
+    short and the one before it is the newest intact.
 
     A ``ModelCheckpoint`` with a ``dirpath`` saves there; one without saves under the first
     logger's ``<save_dir>/<name>/<version>/checkpoints`` (every version is searched), or
     ``<default_root_dir>/checkpoints`` without a logger."""
+    from trace_lightning.checkpoints import load_problem
+
     patterns: list[str] = []
     for cb in trainer.checkpoint_callbacks:
         if not isinstance(cb, ModelCheckpoint):
             continue
         if cb.dirpath is not None:
-            patterns.append(str(Path(cb.dirpath) / "last*.ckpt"))
+            patterns.append(str(Path(cb.dirpath) / "*.ckpt"))
         elif trainer.loggers:
             logger = trainer.loggers[0]
             base = Path(logger.save_dir or trainer.default_root_dir)
             if logger.name:
                 base = base / str(logger.name)
-            patterns.append(str(base / "*" / "checkpoints" / "last*.ckpt"))
+            patterns.append(str(base / "*" / "checkpoints" / "*.ckpt"))
         else:
-            patterns.append(str(Path(trainer.default_root_dir) / "checkpoints" / "last*.ckpt"))
+            patterns.append(str(Path(trainer.default_root_dir) / "checkpoints" / "*.ckpt"))
     patterns = list(dict.fromkeys(patterns))
-    found = [Path(p) for pattern in patterns for p in glob.glob(pattern)]
-    broken = [p for p in found if not p.exists()]  # a link whose checkpoint was deleted
-    if broken:
-        log.warning("--ckpt_path last: skipping %s (links to deleted checkpoints)",
-                    ", ".join(map(str, broken)))
-    found = [p for p in found if p.exists()]
-    if not found:
-        return None, patterns
-    return max(found, key=lambda p: p.stat().st_mtime), patterns
+    found = {Path(p) for pattern in patterns for p in glob.glob(pattern)}
+
+    def saved(path: Path) -> tuple[float, bool]:
+        stat = path.stat() if path.exists() else path.lstat()  # a link to a deleted file
+        return stat.st_mtime, path.name.startswith("last")
+
+    skipped = []
+    for path in sorted(found, key=saved, reverse=True):
+        problem = load_problem(path)
+        if problem is None:
+            return path, patterns, skipped
+        skipped.append(f"{path} ({problem})")
+    return None, patterns, skipped
 
 
 def cli(args: list[str] | None = None, run: bool = True) -> TraceCLI:

@@ -368,7 +368,10 @@ class TraceDataModule(L.LightningDataModule):
                                         f"path of a {what} JSONL (one {line} per line)")
 
     def _check_checkpoint(self) -> None:
-        """The checkpoint of ``expect_checkpoint`` is on this process's file system."""
+        """The checkpoint of ``expect_checkpoint`` is on this process's file system, and
+        holds what this run will load (``checkpoints.check_checkpoint``)."""
+        from trace_lightning.checkpoints import check_checkpoint
+
         path, error = self._checkpoint or (None, None)
         if error is not None:
             raise error
@@ -387,6 +390,9 @@ class TraceDataModule(L.LightningDataModule):
             module = self.trainer.lightning_module if self.trainer is not None else None
             if hasattr(module, "check_checkpoint_predictor"):
                 module.check_checkpoint_predictor(meta.get("state_dict", {}))
+                # the rest of what the run will load: keys, shapes, bytes, values
+                check_checkpoint(path, meta, module, self.policy_dir,
+                                 fitting=self.trainer.state.fn == "fit")
 
     def _check_val_limit(self) -> None:
         """No share of the validation batches (``--trainer.limit_val_batches`` 0.1): a pass
