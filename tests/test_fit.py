@@ -162,7 +162,10 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
 
     branched = [t for t in ta + epoch0 if len(t.leaves()) > 1]
     assert any(len(t.bare_rollouts()) < len(t.leaves()) for t in branched)  # continuations
-    demo_policy = in_float64(AutoModelForCausalLM.from_pretrained(demo_dir / "model"))
+    from trace_lightning.tree_attention import TREE_SDPA
+
+    demo_policy = in_float64(AutoModelForCausalLM.from_pretrained(
+        demo_dir / "model", attn_implementation=TREE_SDPA))
     for kind in ("tree_grpo", "segment"):
         assert_packed_equals_per_leaf(demo_policy, ta + epoch0, kind, rtol=1e-10)
     longest = max(len(s.input_ids) for t in ta for s in t.flatten())

@@ -23,8 +23,8 @@ from transformers import PreTrainedModel, PretrainedConfig
 
 from trace_lightning.packing import pack_lengths
 from trace_lightning.tree import RolloutTree
-from trace_lightning.tree_packing import (TreeUnit, attention_inputs, collate_units, layout,
-                                          pack_rows, split_ends)
+from trace_lightning.tree_attention import attention_inputs
+from trace_lightning.tree_packing import TreeUnit, collate_units, layout, pack_rows, split_ends
 
 NodeKey = tuple[str, int]  # (tree_id, node_id)
 FeaturiserKind = Literal["hidden", "bag_of_tokens"]
@@ -69,12 +69,20 @@ def _hidden_states(policy: PreTrainedModel, batches: list[dict[str, Tensor]],
         for _ in range(forwards - len(batches)):  # to match other ranks' collectives
             decoder(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
         for i, batch in enumerate(batches):
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = {k: _to(v, device) for k, v in batch.items()}
             hidden = decoder(input_ids=batch["input_ids"], use_cache=False,
                              **attention_inputs(policy, batch)).last_hidden_state  # (B, T, D)
             take(i, hidden)
     finally:
         policy.train(was_training)
+
+
+def _to(value, device):
+    """A batch value on ``device``: a tensor, or a ``tree_nodes`` plan of tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return [tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in node)
+            for node in value]
 
 
 def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
@@ -152,7 +160,8 @@ def node_features(policy: PreTrainedModel, trees: list[RolloutTree], batch_token
     batches, members = [], []
     for rows in groups:
         batch = collate_units([[units[j] for j in row] for row in rows], pad_id=0)
-        batches.append({k: batch[k] for k in ("input_ids", "position_ids", "subtree_end")})
+        batches.append({k: batch[k] for k in ("input_ids", "position_ids", "subtree_end",
+                                              "tree_nodes")})
         members.append([(j, *o) for j, o in zip((j for row in rows for j in row),
                                                 batch["offsets"].tolist())])
 

@@ -34,7 +34,8 @@ from trace_lightning.features import Featuriser
 from trace_lightning.predictor import (ReplayBuffer, SuccessPredictor, fit_predictor,
                                        predict_nodes, training_batch)
 from trace_lightning.tree import RolloutTree
-from trace_lightning.tree_packing import WEIGHT_KEYS, attention_inputs
+from trace_lightning.tree_attention import TREE_SDPA, attention_inputs
+from trace_lightning.tree_packing import WEIGHT_KEYS
 
 
 
@@ -110,8 +111,9 @@ class TraceModule(L.LightningModule):
             loose leaves (for comparison).
         attention: the policy's attention kernel: "auto" (with ``tree_packing`` on CUDA,
             FlexAttention with a block mask where torch and transformers offer it; else
-            "sdpa"), "sdpa" (a 4D boolean
-            mask for packed trees) or "flex_attention".
+            "sdpa"), "sdpa" (a packed tree's nodes each attend their root path in one SDPA
+            call, ``trace_lightning.tree_attention``; per-leaf rows plain causal SDPA) or
+            "flex_attention".
     """
 
     def __init__(self, policy_path: str, dtype: str = "float32", lr: float = 1e-5,
@@ -222,7 +224,9 @@ class TraceModule(L.LightningModule):
         on_cuda = self._trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         if kind == "auto":  # per-leaf rows are causal: SDPA's flash kernel needs no mask
             packed = self.hparams.tree_packing and flex_attention_available()
-            return "flex_attention" if on_cuda and packed else "sdpa"
+            return "flex_attention" if on_cuda and packed else TREE_SDPA
+        if kind == "sdpa":  # per-leaf rows: plain SDPA; packed trees: per node (see there)
+            return TREE_SDPA
         if kind == "flex_attention" and not flex_attention_available():
             raise ValueError("--model.attention ('flex_attention'): this torch/transformers "
                              "has no FlexAttention; use 'sdpa' or 'auto'")

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from trace_lightning.packing import split_balanced
+from trace_lightning.tree_attention import node_plan
 from trace_lightning.tree import LeafSequence, RolloutTree
 
 WEIGHT_KEYS = ("count", "adv_pos", "adv_neg", "n_pos", "n_neg")
@@ -57,7 +58,8 @@ class TreeUnit:
     policy_mask: np.ndarray  # float32: 1 on policy tokens
     old_logprobs: np.ndarray  # float32: behaviour log-probs, 0 off policy tokens
     last: dict[int, int]  # node id -> index of the last token of its prefix (its feature)
-    spans: dict[int, tuple[int, int]]  # node id -> [start, stop) of its own tokens
+    spans: dict[int, tuple[int, int]]  # node id -> [start, stop) of its own tokens, in order
+    parent: dict[int, int | None]  # node id -> its parent's
     # the update's per-token weights over the unit's leaves (see leaf_weights); None for
     # feature units
     weights: dict[str, np.ndarray] | None = field(default=None)
@@ -118,7 +120,8 @@ def layout(tree: RolloutTree, ends: Sequence[int]) -> TreeUnit:
                     position_ids=np.asarray(pos, dtype=i64),
                     subtree_end=np.asarray(ends_, dtype=i64), prev=np.asarray(prev, dtype=i64),
                     policy_mask=np.asarray(mask, dtype=np.float32),
-                    old_logprobs=np.asarray(logp, dtype=np.float32), last=last, spans=spans)
+                    old_logprobs=np.asarray(logp, dtype=np.float32), last=last, spans=spans,
+                    parent={i: tree.nodes[i].parent for i in spans})
 
 
 def split_ends(tree: RolloutTree, ends: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -307,49 +310,24 @@ def collate_units(rows: Sequence[Sequence[TreeUnit]], pad_id: int) -> dict[str, 
             offsets.append((b, o))
             o += len(u)
     out["offsets"] = torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)  # (U, 2)
+    out["tree_nodes"] = node_plan([[node for u, o in zip(row, _starts(row))
+                                    for node in _node_paths(u, o)] for row in rows])
     return out
 
 
-def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """``(B, 1, T, T)`` bool, True where query ``i`` may attend key ``j``:
-    ``j <= i < subtree_end[j]``."""
-    t = subtree_end.shape[-1]
-    ar = torch.arange(t, device=subtree_end.device)
-    causal = ar[None, :, None] >= ar[None, None, :]  # (1, T, T): q >= kv
-    inside = ar[None, :, None] < subtree_end[:, None, :]  # (B, T, T): q < end[kv]
-    return (causal & inside)[:, None]  # (B, 1, T, T)
+def _starts(row: Sequence[TreeUnit]) -> list[int]:
+    """Each unit's first index in its row."""
+    return np.cumsum([0] + [len(u) for u in row[:-1]]).tolist()
 
 
-def tree_block_mask(subtree_end: torch.Tensor):
-    """The same mask as a FlexAttention ``BlockMask`` (its sparsity skips whole blocks of
-    keys outside a query block's ancestors)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    end = subtree_end
-
-    def mask_mod(b, h, q, kv):
-        return (kv <= q) & (q < end[b, kv])
-
-    b, t = end.shape
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=end.device)
-
-
-def attention_inputs(model, mb: dict[str, torch.Tensor]) -> dict:
-    """The forward's extra arguments for a micro-batch: a packed one's ``position_ids`` and
-    tree mask, in the form the model's attention takes (a ``BlockMask`` under FlexAttention,
-    a boolean 4D mask under SDPA, an additive float mask under eager attention); none for a
-    per-leaf one (causal attention, right padding never seen)."""
-    if "subtree_end" not in mb:
-        return {}
-    impl = model.config._attn_implementation
-    end = mb["subtree_end"]
-    if impl == "flex_attention":
-        mask = tree_block_mask(end)
-    elif impl == "eager":
-        allowed = tree_attention_mask(end)
-        dtype = next(model.parameters()).dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=end.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)
-    else:
-        mask = tree_attention_mask(end)
-    return {"position_ids": mb["position_ids"], "attention_mask": mask}
+def _node_paths(unit: TreeUnit, offset: int) -> list[tuple[int, int, list[int]]]:
+    """``(start, stop, path)`` of every node of ``unit`` in layout order, shifted by
+    ``offset``: its own tokens and the indices of its root path's (``node_plan``)."""
+    paths: dict[int, list[int]] = {}
+    out = []
+    for nid, (start, stop) in unit.spans.items():  # parents come first
+        parent = unit.parent[nid]
+        own = list(range(offset + start, offset + stop))
+        paths[nid] = (paths[parent] if parent is not None else []) + own
+        out.append((offset + start, offset + stop, paths[nid]))
+    return out
