@@ -122,16 +122,26 @@ def test_a_broken_cache_is_replaced_once(shared_data, tmp_path, capsys):
     assert [f.name for f in (tmp_path / "cache").iterdir()] == [first.index_dir.name]
 
 
-def test_default_cache_dir_never_writes_into_read_only_folders(tmp_path):
-    assert default_cache_dir(tmp_path / "c.jsonl") == tmp_path / ".bm25_cache"
-    read_only = tmp_path / "ro"
-    read_only.mkdir()
-    read_only.chmod(0o555)  # like ../shared/data; counts as read-only even for root
-    try:
-        assert default_cache_dir(read_only / "c.jsonl") == \
-            Path.home() / ".cache" / "trace-lightning" / "bm25"
-    finally:
-        read_only.chmod(0o755)
+def test_the_index_is_cached_in_the_user_cache_folder_not_beside_the_corpus(
+        shared_data, tmp_path, monkeypatch):
+    """Without cache_dir the index goes to $XDG_CACHE_HOME/trace-lightning/bm25 (before: a
+    .bm25_cache folder written into the data folder); an unset, empty or relative
+    XDG_CACHE_HOME means ~/.cache, as the XDG convention says."""
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = (shared_data / "2wikimultihopqa" / "corpus.jsonl").read_text().splitlines()[:50]
+    (data / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    retriever = BM25Retriever(str(data / "corpus.jsonl"))
+    assert retriever.index_dir.parent == tmp_path / "xdg" / "trace-lightning" / "bm25"
+    assert sorted(os.listdir(data)) == ["corpus.jsonl"]  # nothing written into the data folder
+    assert BM25Retriever(str(data / "corpus.jsonl")).loaded_from_cache
+    home_cache = Path.home() / ".cache" / "trace-lightning" / "bm25"
+    for value in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", value)
+        assert default_cache_dir() == home_cache
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == home_cache
 
 
 def test_corpus_line_that_is_not_json_is_named(tmp_path):

@@ -8,9 +8,10 @@ Scoring: Lucene BM25 with Pyserini's defaults ``k1=0.9, b=0.4``.
 Cache: the index of a corpus file is saved under ``<cache_dir>/bm25-<stem>-<key>`` where the
 key is the sha256 of the corpus file's bytes plus the tokenizer and BM25 settings, so an
 edited file or another setting gets a fresh index and a later construction just loads it.
-Without ``cache_dir`` the cache lives in ``.bm25_cache`` beside the corpus when that folder is
-writable, else in ``~/.cache/trace-lightning/bm25``. An index is written to a temporary
-folder and renamed into place, so concurrent processes never read a half-written one.
+Without ``cache_dir`` the cache lives in the user's cache folder (:func:`default_cache_dir`:
+``$XDG_CACHE_HOME/trace-lightning/bm25``, else ``~/.cache/trace-lightning/bm25``), never in
+the data folder. An index is written to a temporary folder and renamed into place, so
+concurrent processes never read a half-written one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -74,28 +74,15 @@ def _tokenize(texts: list[str]) -> list[list[str]]:
                           stemmer=None, return_ids=False, show_progress=False)
 
 
-def _writable_dir(path: Path) -> bool:
-    """True if ``path`` is (or can become) a folder we may write to.
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/trace-lightning/bm25``, else ``~/.cache/trace-lightning/bm25``.
 
-    A folder without any write permission bit counts as read-only even where ``os.access``
-    says yes (root ignores permissions, and shared read-only data must stay untouched).
+    The XDG base directory convention: an unset, empty or relative ``XDG_CACHE_HOME`` is
+    ignored. Read when called, so a process may set it before building a retriever.
     """
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            return False
-        probe = probe.parent
-    mode = probe.stat().st_mode
-    return (probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
-            and bool(mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)))
-
-
-def default_cache_dir(corpus: Path) -> Path:
-    """``.bm25_cache`` beside the corpus if writable, else ``~/.cache/trace-lightning/bm25``."""
-    beside = corpus.parent / ".bm25_cache"
-    if _writable_dir(beside):
-        return beside
-    return Path.home() / ".cache" / "trace-lightning" / "bm25"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return root / "trace-lightning" / "bm25"
 
 
 class BM25Retriever:
@@ -103,7 +90,8 @@ class BM25Retriever:
 
     Args:
         corpus: path of the corpus JSONL (``{"id","title","text"}`` or ``{"id","contents"}`` lines).
-        cache_dir: index cache folder; None = beside the corpus if writable, else ~/.cache.
+        cache_dir: index cache folder; None = the user's cache folder,
+            ``$XDG_CACHE_HOME/trace-lightning/bm25`` else ``~/.cache/trace-lightning/bm25``.
         k1: BM25 term-frequency saturation.
         b: BM25 length normalisation.
         method: bm25s scoring variant.
@@ -114,7 +102,7 @@ class BM25Retriever:
                  method: Method = "lucene"):
         corpus_path = Path(corpus)
         self._setup(load_corpus(corpus_path), k1, b, method)
-        root = Path(cache_dir) if cache_dir is not None else default_cache_dir(corpus_path)
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.index_dir = root / f"bm25-{corpus_path.stem}-{self._cache_key(corpus_path)[:20]}"
         self.loaded_from_cache = self._load_index(self.index_dir)
         if not self.loaded_from_cache:
