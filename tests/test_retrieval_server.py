@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -18,7 +19,7 @@ import pytest
 from launch import free_port
 from trace_lightning.datasets import load_qa
 from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Passage, RetrieverError
-from trace_lightning.retrieval.server import serve_in_thread
+from trace_lightning.retrieval.server import Limits, make_server, serve_in_thread
 
 LIMITS = {"max_queries": 8, "max_query_chars": 200, "topk_max": 20}
 
@@ -84,7 +85,9 @@ def test_response_shapes_with_and_without_scores(wiki_retriever, server_url, que
     assert status == 200
     assert bare["result"] == [[h["document"] for h in hits] for hits in scored["result"]]
     with urllib.request.urlopen(server_url + "/health", timeout=10) as response:
-        assert json.loads(response.read()) == {"status": "ok", "documents": 1294, **LIMITS}
+        assert json.loads(response.read()) == {"status": "ok", "documents": 1294, **LIMITS,
+                                               "max_body_bytes": 8 << 20,
+                                               "max_response_bytes": 8 << 20}
 
 
 @pytest.mark.parametrize("body, status, message", [
@@ -101,6 +104,18 @@ def test_response_shapes_with_and_without_scores(wiki_retriever, server_url, que
     (json.dumps({"queries": ["q"], "return_scores": "yes"}).encode(), 400, "return_scores"),
     # the parser's recursion limit: a RecursionError, which once dropped the connection
     (b"[" * 100_000 + b"]" * 100_000, 400, "nests JSON arrays or objects too deeply"),
+    # an integer of over 4,300 digits: json raised ValueError, which dropped the connection
+    (b'{"queries": ["q"], "topk": ' + b"9" * 5001 + b"}", 400, "number too long to read"),
+    (b'{"queries": ["q"], "topk": -' + b"9" * 5001 + b"}", 400, "number too long to read"),
+    (b'{"queries": ["q"], "topk": ' + b"9" * 4000 + b"}", 400, "[1, 20]"),
+    (b'{"queries": ["q"], "topk": 1e400}', 400, "got Infinity"),
+    (b'{"queries": ["q"], "topk": NaN}', 400, "got NaN"),
+    (b'{"queries": ["q"], "topk": 3.0}', 400, "got 3.0"),
+    (b'{"queries": ["q"], "topk": true}', 400, "got true"),
+    (b'{"queries": ["q"], "topk": null}', 400, "got null"),
+    (b'{"queries": ["q"], "topk": [3]}', 400, "got [3]"),
+    (b'{"queries": [1e400]}', 400, '"queries" must be a list of strings'),
+    (b'{"queries": ["q"], "return_scores": 1}', 400, "return_scores"),
 ])
 def test_bad_requests_are_refused_and_the_server_keeps_serving(server_url, questions, body,
                                                                status, message):
@@ -337,13 +352,11 @@ def test_check_fits_the_batch_to_the_servers_max_queries(server_url, questions):
     assert len(client.search(questions, 2)) == len(questions)
 
 
-def test_a_stalled_request_does_not_hold_a_server_thread(wiki_retriever, monkeypatch):
-    """A client that promises a 100-byte body and sends 10 is dropped after the idle
-    timeout (here 0.5 s) instead of holding its thread forever."""
-    from trace_lightning.retrieval import server as server_module
-
-    monkeypatch.setattr(server_module, "IDLE_TIMEOUT_S", 0.5)
-    server, url = serve_in_thread(wiki_retriever, **LIMITS)
+def test_a_stalled_request_does_not_hold_a_server_thread(wiki_retriever):
+    """A client that promises a 100-byte body and sends 10, or that connects and sends
+    nothing, is dropped after the idle timeout (here 0.5 s) instead of holding its thread
+    (or its file descriptor) forever."""
+    server, url = serve_in_thread(wiki_retriever, idle_timeout_s=0.5, **LIMITS)
     try:
         with socket.create_connection(server.server_address[:2], timeout=10) as s:
             s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -351,6 +364,8 @@ def test_a_stalled_request_does_not_hold_a_server_thread(wiki_retriever, monkeyp
             start = time.monotonic()
             assert s.recv(1024) == b""  # closed by the server, no answer
             assert time.monotonic() - start < 5.0
+        with socket.create_connection(server.server_address[:2], timeout=10) as s:
+            assert s.recv(1024) == b""  # never sent a byte: closed from the waiting room
     finally:
         server.shutdown()
         server.server_close()
@@ -380,6 +395,13 @@ def retriever_main_error(argv: list[str], capsys) -> str:
 @pytest.mark.parametrize("flags, message", [
     (["--topk-max", "0"], "--topk-max (0) must be >= 1"),
     (["--max-body-bytes", "-1"], "--max-body-bytes (-1) must be >= 1"),
+    (["--max-response-bytes", "0"], "--max-response-bytes (0) must be >= 1"),
+    (["--workers", "0"], "--workers (0) must be >= 1"),
+    (["--backlog", "0"], "--backlog (0) must be >= 1"),
+    (["--idle-timeout-s", "0"], "--idle-timeout-s (0.0) must be a finite number > 0"),
+    (["--idle-timeout-s", "inf"], "--idle-timeout-s (inf) must be a finite number > 0"),
+    (["--max-connections", "100000000"], r"--max-connections (100000000) needs 100000064 "
+                                         r"file descriptors, and this process may open"),
     (["--k1", "-1"], "--k1 (-1.0) must be a finite number >= 0"),
     (["--k1", "nan"], "--k1 (nan) must be a finite number >= 0"),
     (["--b", "1.5"], "--b (1.5) must be in [0, 1]"),
@@ -633,3 +655,146 @@ def test_a_server_that_ignores_topk_is_refused():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def raw_request(address: tuple[str, int], request: bytes) -> tuple[int, bytes]:
+    """Send ``request`` bytes on a fresh connection -> (status, body); the server closes it."""
+    with socket.create_connection(address, timeout=10) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+@pytest.mark.parametrize("length, status, message", [
+    ("\u00b2", 400, "Content-Length header invalid"),  # "²".isdigit(), but int("²") fails
+    ("1" + "0" * 30, 413, "this server takes at most"),
+    ("9" * 5001, 413, "this server takes at most"),
+    ("-5", 400, "Content-Length header invalid"),
+])
+def test_a_bad_content_length_is_a_4xx(server_url, length, status, message):
+    host, port = urllib.parse.urlsplit(server_url).netloc.split(":")
+    got, body = raw_request((host, int(port)), b"POST /retrieve HTTP/1.0\r\nContent-Length: "
+                            + length.encode("latin-1") + b"\r\n\r\n{}")
+    assert got == status and message in json.loads(body)["error"]
+
+
+def test_an_answer_over_max_response_bytes_is_413(wiki_retriever, questions):
+    """The answer is JSON encoded hit by hit; one of exactly --max-response-bytes is sent,
+    one byte more is refused, naming the flag and the fix, and the server keeps serving."""
+    request = json.dumps({"queries": questions[:3], "topk": 4}).encode()
+    hits = wiki_retriever.search(questions[:3], 4)
+    expected = json.dumps({"result": [[{"document": {"id": p.id, "contents": p.contents},
+                                        "score": p.score} for p in ps] for ps in hits]}).encode()
+    for max_response_bytes, status in ((len(expected), 200), (len(expected) - 1, 413)):
+        server, url = serve_in_thread(wiki_retriever, max_response_bytes=max_response_bytes)
+        try:
+            got, body = raw_request(server.server_address[:2], (
+                f"POST /retrieve HTTP/1.0\r\nContent-Length: {len(request)}\r\n\r\n"
+                ).encode() + request)
+            assert got == status
+            if status == 200:
+                assert body == expected  # byte for byte json.dumps's answer
+            else:
+                assert json.loads(body)["error"] == (
+                    f"the answer to 3 queries with topk 4 is over {max_response_bytes} bytes, "
+                    f"the most this server sends (--max-response-bytes): send fewer queries "
+                    f"per request or a smaller topk, or raise the server's --max-response-bytes")
+                assert len(HTTPRetriever(url).search(questions[:1], 1)[0]) == 1
+            with urllib.request.urlopen(url + "/health", timeout=10) as response:
+                assert json.loads(response.read())["max_response_bytes"] == max_response_bytes
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def test_many_connections_at_once_are_all_answered(wiki_retriever, questions):
+    """100 clients connect at once, before the server accepts any: the listen backlog
+    (5 before) holds them all, so none is dropped or waits out a SYN retransmit, and a
+    fixed pool of workers answers every one correctly."""
+    server = make_server(wiki_retriever, port=0)
+    sockets, serving = [], threading.Thread(target=server.serve_forever, daemon=True)
+    try:
+        for _ in range(100):  # a backlog of 5 left the 7th connect hanging until timeout
+            sockets.append(socket.create_connection(server.server_address[:2], timeout=5))
+        for i, s in enumerate(sockets):
+            body = json.dumps({"queries": [questions[i % len(questions)]], "topk": 2}).encode()
+            s.sendall(f"POST /retrieve HTTP/1.0\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                      + body)
+        serving.start()
+        expected = wiki_retriever.search(questions, 2)
+        for i, s in enumerate(sockets):
+            s.settimeout(10)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.split()[1] == b"200"
+            ids = [hit["document"]["id"] for hit in json.loads(body)["result"][0]]
+            assert ids == [p.id for p in expected[i % len(questions)]]
+    finally:
+        for s in sockets:
+            s.close()
+        if serving.is_alive():  # shutdown() waits for a serve_forever that never began
+            server.shutdown()
+        server.server_close()
+
+
+def test_idle_connections_hold_no_thread_and_do_not_delay_requests(wiki_retriever, questions):
+    """100 connections that send nothing (before: a thread each, 305 threads for 300) cost
+    no thread: the server runs its workers, the waiting room and the accept loop, and a real
+    request is answered while they wait."""
+    before = set(threading.enumerate())
+    server, url = serve_in_thread(wiki_retriever)
+    idle = []
+    try:
+        for _ in range(100):
+            idle.append(socket.create_connection(server.server_address[:2], timeout=5))
+        # connections are accepted in order, so this answer comes after all 100 were
+        (hits,) = HTTPRetriever(url, timeout_s=10, retries=0).search(questions[:1], 2)
+        assert len(hits) == 2
+        started = set(threading.enumerate()) - before
+        assert len(started) == Limits().workers + 2
+    finally:
+        for s in idle:
+            s.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_connections_over_max_connections_are_answered_503(wiki_retriever, questions):
+    server, url = serve_in_thread(wiki_retriever, max_connections=3, workers=1)
+    idle = []
+    try:
+        for _ in range(3):
+            idle.append(socket.create_connection(server.server_address[:2], timeout=5))
+        status, body = raw_request(server.server_address[:2], b"GET /health HTTP/1.0\r\n\r\n")
+        assert status == 503
+        assert json.loads(body)["error"] == (
+            "3 connections are open, the most this server takes (--max-connections): retry "
+            "later, or raise the server's --max-connections")
+        for s in idle:
+            s.close()
+        # the client retries a 503 until the closed connections are released
+        client = HTTPRetriever(url, retries=10, backoff_s=0.05)
+        assert len(client.search(questions[:1], 2)[0]) == 2
+    finally:
+        for s in idle:
+            s.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_help_documents_every_limit(capsys):
+    from trace_lightning.retrieval.server import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("--workers", "--backlog", "--max-connections", "--idle-timeout-s",
+                 "--max-response-bytes", "--max-body-bytes", "--topk-max", "--cache-dir"):
+        assert name in text
+    assert "(default 32)" in text and "(default 1024)" in text  # workers, backlog
+    assert "$XDG_CACHE_HOME/trace-lightning/bm25" in text
