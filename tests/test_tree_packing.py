@@ -25,7 +25,7 @@ from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.module import TraceModule
 from trace_lightning.packing import collate, pack_microbatches
 from trace_lightning.tree import RolloutTree
-from trace_lightning.tree_attention import TREE_SDPA, tree_attention_mask
+from trace_lightning.tree_attention import TREE_SDPA, node_plan, tree_attention_mask
 from trace_lightning.tree_packing import (WEIGHT_KEYS, collate_units, layout, pack_rows,
                                           split_ends, unique_tokens, update_units)
 
@@ -256,9 +256,15 @@ def test_a_mask_that_shows_a_sibling_is_caught(model_state):
     """Letting a token see the siblings laid out before it (plain causal attention over the
     packed row; or a node plan whose paths hold an earlier sibling's tokens) gives other
     log-probs: the comparisons above can fail."""
+    from trace_lightning.tree_packing import _node_paths, _starts
+
     trees = hand_trees()
     seqs = sequences(trees, "grpo")
-    mb = packed_micro(trees, seqs, 4096)[0]
+    units = [u for tr in trees
+             for u in update_units(tr, [s for s in seqs if s.tree_id == tr.tree_id], 4096)]
+    (rows,) = pack_rows([len(u) for u in units], 4096)
+    rows = [[units[j] for j in row] for row in rows]
+    mb = collate_units(rows, pad_id=0)
     dense = policy(model_state, attention="sdpa")
     good, _ = TraceModule._logprobs(dense, mb)
     t = mb["input_ids"].shape[1]
@@ -268,10 +274,10 @@ def test_a_mask_that_shows_a_sibling_is_caught(model_state):
     per_node = policy(model_state)
     torch.testing.assert_close(TraceModule._logprobs(per_node, mb)[0], good, rtol=1e-10,
                                atol=1e-10)
-    # every node's path also holds the tokens before it in its row (a sibling's among them)
-    nodes = [(b, q0, q1, torch.cat([torch.arange(0, int(path[0])), path]) if path[0] > 0
-              else path, torch.cat([torch.ones(q1 - q0, int(path[0]), dtype=torch.bool),
-                                    mask], 1)) for b, q0, q1, path, mask in mb["tree_nodes"]]
+    # every node's path also holds every token before it in its row (a sibling's among them)
+    nodes = node_plan([[(a, z, sorted(set(range(a)) | set(path)))
+                        for u, o in zip(row, _starts(row)) for a, z, path in _node_paths(u, o)]
+                       for row in rows], t)
     bad, _ = TraceModule._logprobs(per_node, dict(mb, tree_nodes=nodes))
     assert (good - bad).abs().max() > 1e-3
 

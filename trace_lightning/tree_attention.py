@@ -4,8 +4,8 @@ earlier tokens of its own node, nothing else.
 Three ways to run it, chosen by the policy's ``attn_implementation`` (``--model.attention``):
 
 - ``tree_sdpa`` (registered here with transformers' ``AttentionInterface``; the default off
-  CUDA): each node's queries attend the keys of its own root path, gathered, in one SDPA
-  call per node. The work is what the tree needs: a dense mask over a packed row would pay
+  CUDA): each node's queries attend the keys of its own root path, gathered; nodes of
+  similar path lengths share one batched SDPA call. The work is what the tree needs: a dense mask over a packed row would pay
   for every (query, key) pair of the row, ``T^2``, where the per-leaf update pays ``L^2 / 2``
   per leaf with causal kernels (a tree of 1,600 tokens over leaves of 400: 4x the attention
   of its leaves, not less). A micro-batch without a tree plan (per-leaf rows) runs plain SDPA,
@@ -30,60 +30,112 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 TREE_SDPA = "tree_sdpa"
 
-# (row, first query, end of queries, key indices (P,), mask (Q, P)): one node of a packed row
-NodePlan = tuple[int, int, int, torch.Tensor, torch.Tensor]
-
-
-def node_plan(rows: Sequence[Sequence[tuple[int, int, list[int]]]]) -> list[NodePlan]:
-    """The ``tree_sdpa`` plan of packed rows.
+def node_plan(rows: Sequence[Sequence[tuple[int, int, list[int]]]], width: int,
+              waste: float = 1.25) -> dict:
+    """The ``tree_sdpa`` plan of packed rows of ``width`` tokens.
 
     Args:
         rows: per row, its nodes in layout order, each ``(start, stop, path)``: the node's
             own tokens ``[start, stop)`` and the indices of its root path's tokens (its
-            ancestors' and its own, in order; the own ones last).
+            ancestors' and its own, in order, own ones last).
+        width: the rows' length (padding after the last node).
+        waste: most padded (query, key) pairs of a bucket over its real ones.
 
-    A node's query ``k`` (its ``k``-th token) sees the path's first ``P - Q + k + 1`` keys.
+    Nodes are sorted by path length and bucketed, each bucket one batched SDPA call with its
+    nodes padded to its longest query and path. Indices are into the rows flattened to
+    ``R * width``. Returns a dict of per-bucket lists ``q_index`` ``(n, Q)``, ``k_index``
+    ``(n, P)``, ``masks`` ``(n, 1, Q, P)`` (node query ``k`` sees its path's first
+    ``P_node - Q_node + k + 1`` keys; a padding query sees key 0 alone, and is dropped),
+    ``valid`` (the real queries' positions in ``n * Q``), and ``inverse`` ``(R * width,)``:
+    where each token's output is among the buckets' real outputs concatenated (padding
+    tokens: one zero row appended after them).
     """
-    plan = []
-    for b, nodes in enumerate(rows):
-        for start, stop, path in nodes:
-            q, p = stop - start, len(path)
-            if not q:
+    nodes = []  # (path_len, queries, flat query indices, flat key indices)
+    for b, row in enumerate(rows):
+        base = b * width
+        for start, stop, path in row:
+            if stop > start:
+                nodes.append((len(path), stop - start, list(range(base + start, base + stop)),
+                              [base + j for j in path]))
+    nodes.sort(key=lambda n: (n[0], n[1]))
+    buckets: list[list[tuple]] = []
+    real = 0
+    for n in nodes:
+        if buckets:
+            b = buckets[-1]
+            qm, pm = max(n[1], max(x[1] for x in b)), n[0]  # sorted: n has the longest path
+            if (len(b) + 1) * qm * pm <= waste * (real + n[0] * n[1]):
+                b.append(n)
+                real += n[0] * n[1]
                 continue
-            mask = (torch.arange(p)[None, :]
-                    <= torch.arange(p - q, p)[:, None])  # (Q, P): causal, offset by ancestors
-            plan.append((b, start, stop, torch.tensor(path, dtype=torch.long), mask))
+        buckets.append([n])
+        real = n[0] * n[1]
+    plan = {"q_index": [], "k_index": [], "masks": [], "valid": []}
+    order: list[int] = []  # flat token index of each real output, in bucket order
+    for b in buckets:
+        qm, pm = max(n[1] for n in b), max(n[0] for n in b)
+        qi = torch.zeros(len(b), qm, dtype=torch.long)  # (n, Q)
+        ki = torch.zeros(len(b), pm, dtype=torch.long)  # (n, P)
+        mask = torch.zeros(len(b), 1, qm, pm, dtype=torch.bool)  # (n, 1, Q, P)
+        mask[:, 0, :, 0] = True  # padding queries see key 0 (dropped)
+        valid = []
+        for i, (p, q, qs, ks) in enumerate(b):
+            qi[i, :q] = torch.tensor(qs)
+            ki[i, :p] = torch.tensor(ks)
+            mask[i, 0, :q, :p] = torch.arange(p)[None, :] <= torch.arange(p - q, p)[:, None]
+            valid += range(i * qm, i * qm + q)
+            order += qs
+        plan["q_index"].append(qi)
+        plan["k_index"].append(ki)
+        plan["masks"].append(mask)
+        plan["valid"].append(torch.tensor(valid, dtype=torch.long))
+    plan["q_flat"] = torch.cat([q.reshape(-1) for q in plan["q_index"]])  # (sum n Q,)
+    plan["k_flat"] = torch.cat([k.reshape(-1) for k in plan["k_index"]])  # (sum n P,)
+    plan["q_sizes"] = [q.numel() for q in plan["q_index"]]
+    plan["k_sizes"] = [k.numel() for k in plan["k_index"]]
+    inverse = torch.full((len(rows) * width,), len(order), dtype=torch.long)  # the zero row
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    plan["inverse"] = inverse  # (R * width,)
     return plan
 
 
 def tree_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, attention_mask: torch.Tensor | None,
                         dropout: float = 0.0, scaling: float | None = None,
-                        tree_nodes: list[NodePlan] | None = None, **kwargs):
+                        tree_nodes: dict | None = None, **kwargs):
     """transformers' attention interface: ``query (B, H, T, D)``, ``key`` / ``value``
-    ``(B, Hkv, T, D)`` -> ``(B, T, H, D)``. With ``tree_nodes`` (a packed micro-batch) each
-    node attends its own path; otherwise plain SDPA with ``attention_mask``."""
+    ``(B, Hkv, T, D)`` -> ``(B, T, H, D)``. With ``tree_nodes`` (a packed micro-batch,
+    ``node_plan``) each node attends its own path, nodes batched by path length; otherwise
+    plain SDPA with ``attention_mask``.
+
+    The queries, keys and values of all buckets are each one ``index_select`` of the
+    flattened tokens (its backward one ``index_add``), and each bucket is one SDPA call."""
     if tree_nodes is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    plan = tree_nodes
     b, h, t, d = query.shape
-    key = repeat_kv(key, h // key.shape[1])  # (B, H, T, D)
-    value = repeat_kv(value, h // value.shape[1])  # (B, H, T, D)
-    rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    filled = [0] * b
-    for row, start, stop, path, mask in tree_nodes:
-        assert start == filled[row], "nodes must cover each row in layout order"
-        rows[row].append(F.scaled_dot_product_attention(
-            query[row:row + 1, :, start:stop],  # (1, H, Q, D)
-            key[row:row + 1, :, path], value[row:row + 1, :, path],  # (1, H, P, D)
-            attn_mask=mask, dropout_p=dropout if module.training else 0.0,
-            scale=scaling))  # (1, H, Q, D)
-        filled[row] = stop
-    for row in range(b):  # padding after the row's last node: never read
-        if filled[row] < t:
-            rows[row].append(query.new_zeros(1, h, t - filled[row], d))
-    out = torch.cat([torch.cat(r, dim=2) for r in rows])  # (B, H, T, D)
-    return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
+    qf = query.transpose(1, 2).reshape(b * t, h, d)  # (BT, H, D)
+    kf = repeat_kv(key, h // key.shape[1]).transpose(1, 2).reshape(b * t, h, d)  # (BT, H, D)
+    vf = repeat_kv(value, h // value.shape[1]).transpose(1, 2).reshape(b * t, h, d)
+    p = dropout if module.training else 0.0
+    # one gather each for every bucket's queries, keys and values (one scatter each back)
+    q_all = qf.index_select(0, plan["q_flat"]).split(plan["q_sizes"])  # per bucket (nQ,H,D)
+    k_all = kf.index_select(0, plan["k_flat"]).split(plan["k_sizes"])  # per bucket (nP,H,D)
+    v_all = vf.index_select(0, plan["k_flat"]).split(plan["k_sizes"])
+    outs = []
+    for q, k, v, qi, ki, mask, valid in zip(q_all, k_all, v_all, plan["q_index"],
+                                            plan["k_index"], plan["masks"], plan["valid"]):
+        n, qm = qi.shape
+        pm = ki.shape[1]
+        o = F.scaled_dot_product_attention(
+            q.view(n, qm, h, d).transpose(1, 2), k.view(n, pm, h, d).transpose(1, 2),
+            v.view(n, pm, h, d).transpose(1, 2), attn_mask=mask, dropout_p=p,
+            scale=scaling)  # (n, H, Q, D)
+        outs.append(o.transpose(1, 2).reshape(n * qm, h, d).index_select(0, valid))
+    outs.append(query.new_zeros(1, h, d))  # what padding tokens get (never read)
+    out = torch.cat(outs).index_select(0, plan["inverse"])  # (BT, H, D)
+    return out.view(b, t, h, d), None  # (B, T, H, D)
 
 
 AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
