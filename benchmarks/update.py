@@ -14,7 +14,8 @@ Three sets of trees:
 Each (set, layout) runs in a fresh process (so its peak memory is its own): the demo's
 mini-batches (4 per step: whole trees when packed, loose leaves per leaf; micro-batches of at
 most 8,192 tokens), then forward, backward and an AdamW step per mini-batch on the demo policy
-(float32, SDPA), ``--repeats`` times after one warm-up pass (lr 0, so every pass sees the same
+(float32; attention as TraceModule runs it on CPU: plain causal SDPA for per-leaf rows, one
+SDPA call per tree node over its root path for packed trees), ``--repeats`` times after one warm-up pass (lr 0, so every pass sees the same
 weights). Reported per set: tokens forwarded (real and padded slots), the median update wall
 time, the process's peak RSS, and the step's loss over one mini-batch of everything with
 both layouts (the same objective: equal to float32 rounding). Layouts alternate per set.
@@ -48,6 +49,7 @@ from trace_lightning.loss import weighted_policy_loss  # noqa: E402
 from trace_lightning.module import TraceModule  # noqa: E402
 from trace_lightning.packing import leaf_minibatches  # noqa: E402
 from trace_lightning.tree import RolloutTree, read_jsonl, write_jsonl  # noqa: E402
+from trace_lightning.tree_attention import TREE_SDPA  # noqa: E402
 from trace_lightning.tree_packing import (WEIGHT_KEYS, tree_minibatches,  # noqa: E402
                                           update_units)
 
@@ -158,7 +160,7 @@ def measure(args) -> dict:
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_pretrained(DemoPaths.under(args.demo_dir).model,
                                                   dtype=torch.float32,
-                                                  attn_implementation="sdpa").train()
+                                                  attn_implementation=TREE_SDPA).train()
     opt = torch.optim.AdamW(policy.parameters(), lr=0.0)
     if args.layout == "packed":
         leaves: dict[str, list] = {}
@@ -193,8 +195,20 @@ def measure(args) -> dict:
             "leaves": len(seqs), "tokens": real, "slots": slots, "pairs": pairs,
             "micro_batches": sum(len(m["micro"]) for m in minis),
             "update_s": statistics.median(times[1:]), "update_s_all": times[1:],
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": peak_rss_mb(),
             "step_loss": step_loss, "threads": torch.get_num_threads()}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory since its exec (``VmHWM``; ``ru_maxrss`` would
+    count the parent's pages from before the exec, here the engine's)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---- the benchmark -----------------------------------------------------------------------------

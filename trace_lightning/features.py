@@ -78,11 +78,14 @@ def _hidden_states(policy: PreTrainedModel, batches: list[dict[str, Tensor]],
 
 
 def _to(value, device):
-    """A batch value on ``device``: a tensor, or a ``tree_nodes`` plan of tensors."""
+    """A batch value on ``device``: a tensor, or the tensors of a ``tree_nodes`` plan."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
-    return [tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in node)
-            for node in value]
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    return value
 
 
 def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],

@@ -311,7 +311,7 @@ def collate_units(rows: Sequence[Sequence[TreeUnit]], pad_id: int) -> dict[str, 
             o += len(u)
     out["offsets"] = torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)  # (U, 2)
     out["tree_nodes"] = node_plan([[node for u, o in zip(row, _starts(row))
-                                    for node in _node_paths(u, o)] for row in rows])
+                                    for node in _node_paths(u, o)] for row in rows], t)
     return out
 
 
