@@ -282,18 +282,25 @@ def test_a_mask_that_shows_a_sibling_is_caught(model_state):
     assert (good - bad).abs().max() > 1e-3
 
 
-def test_layout_by_hand():
-    """Tree: root [1 2] - n1 [3 4] - {n2 [5], n3 [6 7]}, n1 and n3 policy tokens.
-    Depth-first: 1 2 3 4 5 6 7; positions 0 1 2 3 4 4 5 (n3 starts where n2 did, along its
-    own path); n2's token 5 (index 4) is seen by itself only, so n3's tokens (5, 6) do not
-    see it; the first token of n2 and of n3 are both predicted by n1's last token (index 3).
-    """
+def small_tree() -> RolloutTree:
+    """root [1 2] - n1 [3 4] - {n2 [5] (reward 1), n3 [6 7] (reward 0)}."""
     t = RolloutTree.new("h", "q", ["x"], [1, 2])
     n1 = t.add_child(0, rollout=0, token_ids=[3, 4], logprobs=[-1.0, -2.0], policy_mask=[1, 1])
     t.add_child(n1.id, token_ids=[5], logprobs=[-1.5], policy_mask=[1], finished=True,
                 reward=1.0)
     t.add_child(n1.id, token_ids=[6, 7], logprobs=[-0.5, 0.0], policy_mask=[1, 0],
                 finished=True, reward=0.0)
+    t.compute_values()
+    return t
+
+
+def test_layout_by_hand():
+    """Tree: root [1 2] - n1 [3 4] - {n2 [5], n3 [6 7]}, n1 and n3 policy tokens.
+    Depth-first: 1 2 3 4 5 6 7; positions 0 1 2 3 4 4 5 (n3 starts where n2 did, along its
+    own path); n2's token 5 (index 4) is seen by itself only, so n3's tokens (5, 6) do not
+    see it; the first token of n2 and of n3 are both predicted by n1's last token (index 3).
+    """
+    t = small_tree()
     u = layout(t, [2, 3])
     assert u.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
     assert u.position_ids.tolist() == [0, 1, 2, 3, 4, 4, 5]
@@ -314,13 +321,7 @@ def test_weights_by_hand():
     """Leaves of the tree above with GRPO advantages +0.7071 (reward 1) and -0.7071 (reward
     0): n1's two shared tokens carry count 2, adv_pos 0.7071, adv_neg -0.7071, one of each;
     n2's token only the success, n3's policy token only the failure."""
-    t = RolloutTree.new("h", "q", ["x"], [1, 2])
-    n1 = t.add_child(0, rollout=0, token_ids=[3, 4], logprobs=[-1.0, -2.0], policy_mask=[1, 1])
-    t.add_child(n1.id, token_ids=[5], logprobs=[-1.5], policy_mask=[1], finished=True,
-                reward=1.0)
-    t.add_child(n1.id, token_ids=[6, 7], logprobs=[-0.5, 0.0], policy_mask=[1, 0],
-                finished=True, reward=0.0)
-    t.compute_values()
+    t = small_tree()
     (u,) = update_units(t, sequences([t], "grpo"), 100)
     a = 1 / np.sqrt(2)
     np.testing.assert_allclose(u.weights["count"], [0, 0, 2, 2, 1, 1, 0])
