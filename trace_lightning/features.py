@@ -36,7 +36,7 @@ def _hidden_states(policy: PreTrainedModel, batches: list[dict[str, Tensor]],
     """Run the policy's decoder on each batch and hand ``take(i, hidden (B, T, D))`` the final
     hidden states (after the final norm, before ``lm_head``) of batch ``i``.
 
-    A batch holds ``input_ids`` and, for packed trees, what ``tree_packing.attention_inputs``
+    A batch holds ``input_ids`` and, for packed trees, what ``tree_attention.attention_inputs``
     reads. Runs the decoder body (``policy.get_decoder()``): no vocabulary-sized logits. A
     policy wrapped whole by FSDP runs through its wrapper instead (the wrapper gathers the
     embedding and final norm it owns), reads ``hidden_states[-1]`` and keeps the LM head to

@@ -469,7 +469,7 @@ class TraceModule(L.LightningModule):
           it is right-padded and attention is causal, so a real token never attends to
           padding and its positions are unchanged, and SDPA takes its fused causal (flash)
           kernel. A packed one (``tree_packing.collate_units``) brings position ids and the
-          tree's ancestor mask (``tree_packing.attention_inputs``).
+          tree in the form the attention takes (``tree_attention.attention_inputs``).
         - The LM head runs only on the rows that predict a policy token (a pre-hook on the
           output embedding hands it those rows, ``prev`` of each policy token: the token
           before it on its path), so the ``(B, T, V)`` logits and their gradient are never

@@ -12,7 +12,8 @@ as one sequence, a tree pays for each token once. The layout (a :class:`TreeUnit
   ``subtree_end[j]`` is the end of the span of the subtree of ``j``'s node. After ``j`` and
   inside that span lie exactly the tokens below ``j`` (its own node's later tokens and its
   node's descendants); a sibling subtree ends before the next one starts, so no token sees a
-  sibling's. Then every token's hidden state equals the one it gets in its per-leaf sequence.
+  sibling's. Then every token's hidden state equals the one it gets in its per-leaf sequence
+  (how the attention runs it: :mod:`trace_lightning.tree_attention`).
 - **Prediction rows**: ``prev[i]`` is the token before ``i`` on its path (``i - 1`` inside a
   node; the parent's last token for a node's first token): its hidden state predicts token
   ``i``. Several children read the same parent row.
@@ -40,8 +41,8 @@ import numpy as np
 import torch
 
 from trace_lightning.packing import split_balanced
-from trace_lightning.tree_attention import node_plan
 from trace_lightning.tree import LeafSequence, RolloutTree
+from trace_lightning.tree_attention import node_plan
 
 WEIGHT_KEYS = ("count", "adv_pos", "adv_neg", "n_pos", "n_neg")
 
