@@ -74,7 +74,7 @@ def expected_shapes(module, policy_dir: str) -> tuple[dict[str, tuple], dict[str
     config = without_dropout(AutoConfig.from_pretrained(policy_dir))
     with torch.device("meta"):
         models = {"policy": AutoModelForCausalLM.from_config(config),
-                  "predictor": module._new_predictor(config)}
+                  "predictor": module.new_predictor(config)}
     if module.hparams.kl_coef > 0:
         models["reference"] = models["policy"]  # a frozen copy of the policy
     weights = {f"{prefix}.{k}": tuple(v.shape) for prefix, model in models.items()

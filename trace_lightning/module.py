@@ -205,7 +205,7 @@ class TraceModule(L.LightningModule):
             self.reference.requires_grad_(False)
         if self.hparams.compile_layers:
             compile_decoder_layers(self.policy)
-        self.predictor = self._new_predictor(self.policy.config)
+        self.predictor = self.new_predictor(self.policy.config)
         self.shard_models()
         if self._trainer is not None:  # an unwrapped LightningModule is not moved by FSDP
             self.predictor.to(self.trainer.strategy.root_device)
@@ -514,7 +514,7 @@ class TraceModule(L.LightningModule):
                                "history": (self.history.state_dict()
                                            if self.history is not None else None)}
 
-    def _new_predictor(self, config) -> SuccessPredictor:
+    def new_predictor(self, config) -> SuccessPredictor:
         """A fresh predictor for a policy of this ``config`` (its width is the featuriser's)."""
         return SuccessPredictor(self.featuriser.feature_dim(config),
                                 hidden=self.hparams.predictor_hidden)
@@ -529,7 +529,7 @@ class TraceModule(L.LightningModule):
             config = (AutoConfig.from_pretrained(os.path.expanduser(self.hparams.policy_path))
                       if self.featuriser.kind == "hidden" else None)
             with torch.device("meta"):
-                predictor = self._new_predictor(config)
+                predictor = self.new_predictor(config)
         else:
             predictor = self.predictor
         mine = {prefix + k: tuple(v.shape) for k, v in predictor.state_dict().items()}
