@@ -256,7 +256,7 @@ def test_a_mask_that_shows_a_sibling_is_caught(model_state):
     """Letting a token see the siblings laid out before it (plain causal attention over the
     packed row; or a node plan whose paths hold an earlier sibling's tokens) gives other
     log-probs: the comparisons above can fail."""
-    from trace_lightning.tree_packing import _node_paths, _starts
+    from trace_lightning.tree_packing import node_paths
 
     trees = hand_trees()
     seqs = sequences(trees, "grpo")
@@ -275,8 +275,9 @@ def test_a_mask_that_shows_a_sibling_is_caught(model_state):
     torch.testing.assert_close(TraceModule._logprobs(per_node, mb)[0], good, rtol=1e-10,
                                atol=1e-10)
     # every node's path also holds every token before it in its row (a sibling's among them)
+    starts = iter(mb["offsets"][:, 1].tolist())  # each unit's first index, rows in order
     nodes = node_plan([[(a, z, sorted(set(range(a)) | set(path)))
-                        for u, o in zip(row, _starts(row)) for a, z, path in _node_paths(u, o)]
+                        for u in row for a, z, path in node_paths(u, next(starts))]
                        for row in rows], t)
     bad, _ = TraceModule._logprobs(per_node, dict(mb, tree_nodes=nodes))
     assert (good - bad).abs().max() > 1e-3

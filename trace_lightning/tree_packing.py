@@ -296,8 +296,10 @@ def collate_units(rows: Sequence[Sequence[TreeUnit]], pad_id: int) -> dict[str, 
     # float64: sums of several leaves' float32 advantages, kept exact
     out |= {k: torch.zeros((r, t), dtype=torch.float64) for k in WEIGHT_KEYS}  # (R, T) each
     offsets: list[tuple[int, int]] = []
+    nodes: list[list[tuple[int, int, list[int]]]] = []  # per row: node_plan's input
     for b, row in enumerate(rows):
         o = 0
+        nodes.append([])
         for u in row:
             s = slice(o, o + len(u))
             out["input_ids"][b, s] = torch.from_numpy(u.input_ids)
@@ -309,19 +311,14 @@ def collate_units(rows: Sequence[Sequence[TreeUnit]], pad_id: int) -> dict[str, 
             for k, v in (u.weights or {}).items():
                 out[k][b, s] = torch.from_numpy(v)
             offsets.append((b, o))
+            nodes[b] += node_paths(u, o)
             o += len(u)
     out["offsets"] = torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)  # (U, 2)
-    out["tree_nodes"] = node_plan([[node for u, o in zip(row, _starts(row))
-                                    for node in _node_paths(u, o)] for row in rows], t)
+    out["tree_nodes"] = node_plan(nodes, t)
     return out
 
 
-def _starts(row: Sequence[TreeUnit]) -> list[int]:
-    """Each unit's first index in its row."""
-    return np.cumsum([0] + [len(u) for u in row[:-1]]).tolist()
-
-
-def _node_paths(unit: TreeUnit, offset: int) -> list[tuple[int, int, list[int]]]:
+def node_paths(unit: TreeUnit, offset: int) -> list[tuple[int, int, list[int]]]:
     """``(start, stop, path)`` of every node of ``unit`` in layout order, shifted by
     ``offset``: its own tokens and the indices of its root path's (``node_plan``)."""
     paths: dict[int, list[int]] = {}
