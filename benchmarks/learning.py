@@ -16,7 +16,11 @@ method needs to reach a target accuracy, by default the final accuracy of ``unif
 evaluation at or above it, and on the mean curve over seeds, linear between evaluations
 (the ratio in the JSON line); and, on the same mean curve, the generated tokens it needs
 (tree leaves share their prefixes' tokens, so a leaf of ``trace`` costs fewer than one of
-``uniform``: the saving in compute, a second unit beside the leaves). Every method is also
+``uniform``: the saving in compute, a second unit beside the leaves) and the training
+wall-clock (``perf/step_s``: the sampling phase, that is weight sync, rollouts, predictor
+calls and fit, plus the update; validation excluded), per seed and on the mean curve. Runs
+go seed by seed, every method of a seed before the next seed (uniform, trace, uniform,
+trace, ...), so drift in the machine's load hits every method alike. Every method is also
 paired with ``uniform`` seed by seed
 (the same seed: the same candidates every epoch and the same evaluation questions): mean
 difference in final accuracy, in accuracy averaged over all epochs (eight evaluations, so
@@ -34,13 +38,15 @@ against sampling budget per method (the mean over seeds, shaded +- its standard 
                                                     # (configs/demo_oracle.yaml)
     python benchmarks/learning.py --held-in 200     # + accuracy on 200 training-world
                                                     # questions (what RL trains on)
+    python benchmarks/learning.py --val-every 8 --no-before  # one evaluation, after the fit
 
 ``--held-in N`` adds a second evaluation, on the first N questions of the training world
 (``val/demo_heldin/em``; candidates are drawn from all its questions, so these are ones
 the policy trains on): whether a method learns its own prompts faster, apart from how that
 carries over to the held-out world.
 
-Ends with one JSON line.
+Ends with one JSON line, also written to ``--out`` (default ``docs/results/learning.json``;
+with ``--quick`` in its out-dir) with the commit, date, machine load and demo world.
 """
 
 from __future__ import annotations
@@ -57,11 +63,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ["uniform", "random_tree", "prompt", "trace"]
 KEYS = {"acc": "val/demo_heldout/em", "acc_in": "val/demo_heldin/em",
         "effective": "rollout/effective_ratio", "informative": "rollout/informative_leaf_share",
-        "leaves": "alloc/leaves", "tokens": "alloc/generated_tokens", "epoch_s": "perf/epoch_s"}
+        "leaves": "alloc/leaves", "tokens": "alloc/generated_tokens", "epoch_s": "perf/epoch_s",
+        "step_s": "perf/step_s"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,6 +80,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--val-limit", type=int, default=200, help="held-out questions per eval")
+    p.add_argument("--val-every", type=int, default=1,
+                   help="evaluate after every n-th epoch (--epochs must be a multiple)")
+    p.add_argument("--before", action=argparse.BooleanOptionalAction, default=True,
+                   help="evaluate the warm-started policy before RL (--no-before: skip it; "
+                        "then no budget or time to target is computed)")
+    p.add_argument("--out", default=None,
+                   help="the JSON line also goes here (default docs/results/learning.json, "
+                        "--quick: in its out-dir)")
     p.add_argument("--out-dir", default=None,
                    help="runs go here (default runs/learning, --quick: runs/learning_quick)")
     p.add_argument("--target", type=float, default=None,
@@ -103,23 +121,27 @@ def scalars(run_dir: Path, version: int = -1) -> tuple[dict[str, list[float]], f
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}, span
 
 
-def _finished(out: Path, epochs: int, held_in: bool) -> bool:
-    """Whether ``out`` holds a finished run of ``epochs`` epochs (one of fewer is rerun; one
-    of more is not this run: its checkpoint and per-epoch figures are another length's, nor
-    is one without the training-world evaluation ``held_in`` asks for)."""
+def _finished(out: Path, epochs: int, held_in: bool, val_every: int = 1,
+              before: bool = True) -> bool:
+    """Whether ``out`` holds a finished run of ``epochs`` epochs evaluated every
+    ``val_every`` (one with fewer evaluations is rerun; one with more is not this run: its
+    checkpoint and figures are another length's, nor is one without the training-world
+    evaluation ``held_in`` asks for). ``before``: version_0 is the evaluation before RL and
+    the fit comes after it."""
     runs = sorted((out / "tensorboard").glob("version_*"))
-    if len(runs) < 2:
+    if len(runs) < (2 if before else 1):
         return False
     s = scalars(out)[0]
-    done = len(s.get(KEYS["acc"], []))
-    if done > epochs:
-        raise SystemExit(f"{out} holds a run of {done} epochs and --epochs is {epochs}: pass "
-                         f"--out-dir for a new folder, or --fresh to replace that run")
-    if done == epochs and held_in and KEYS["acc_in"] not in s:
+    done, evals = len(s.get(KEYS["acc"], [])), epochs // val_every
+    if done > evals:
+        raise SystemExit(f"{out} holds a run of {done} evaluations and --epochs {epochs} "
+                         f"--val-every {val_every} ask for {evals}: pass --out-dir for a new "
+                         f"folder, or --fresh to replace that run")
+    if done == evals and held_in and KEYS["acc_in"] not in s:
         raise SystemExit(f"{out} holds a finished run without the training-world evaluation "
                          f"--held-in asks for ({KEYS['acc_in']}): pass --out-dir for a new "
                          f"folder, or --fresh to rerun it with that evaluation")
-    return done == epochs
+    return done == evals
 
 
 def run(method: str, seed: int, args, root: Path) -> dict:
@@ -135,17 +157,20 @@ def run(method: str, seed: int, args, root: Path) -> dict:
     common = [f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
               f"--seed_everything={seed}", f"--data.seed={seed}",
               f"--data.allocator.seed={seed}", f"--data.val={json.dumps(val)}", *args.extra]
-    if args.fresh or not _finished(out, args.epochs, args.held_in > 0):
+    if args.fresh or not _finished(out, args.epochs, args.held_in > 0, args.val_every,
+                                   args.before):
         if out.exists():
             shutil.rmtree(out)
         cli = [sys.executable, "-m", "trace_lightning.cli"]
-        # accuracy of the warm-started policy, then training
-        subprocess.run([*cli, "validate", *configs, *common], check=True, cwd=REPO)
-        subprocess.run([*cli, "fit", *configs, *common, f"--trainer.max_epochs={args.epochs}"],
+        if args.before:  # accuracy of the warm-started policy, then training
+            subprocess.run([*cli, "validate", *configs, *common], check=True, cwd=REPO)
+        subprocess.run([*cli, "fit", *configs, *common, f"--trainer.max_epochs={args.epochs}",
+                        f"--trainer.check_val_every_n_epoch={args.val_every}"],
                        check=True, cwd=REPO)
-    before = scalars(out, 0)[0]
+    before = scalars(out, 0)[0] if args.before else {}
     s, wall_s = scalars(out)
-    result = {"method": method, "seed": seed, "acc_before": before[KEYS["acc"]][-1],
+    result = {"method": method, "seed": seed,
+              "acc_before": before.get(KEYS["acc"], [None])[-1],
               "acc_in_before": before.get(KEYS["acc_in"], [None])[-1],
               "acc": s[KEYS["acc"]],
               **{k: s.get(v, []) for k, v in KEYS.items() if k != "acc"},
@@ -232,8 +257,13 @@ def main(argv=None) -> dict:
     if args.target is None and "uniform" not in methods:  # before hours of runs, not after
         raise SystemExit("learning.py: --target is needed when --methods has no 'uniform' "
                          "(whose final accuracy is the default target)")
+    if args.val_every < 1 or args.epochs % args.val_every:
+        raise SystemExit(f"learning.py: --val-every {args.val_every} must be >= 1 and divide "
+                         f"--epochs {args.epochs}")
     seeds = [int(s) for s in args.seeds.split(",")]
     root = Path(args.out_dir)
+    stamp = provenance.Stamp()
+    # seed by seed, methods in turn: drift in the machine's load hits every method alike
     runs = [run(m, s, args, root) for s in seeds for m in methods]
 
     summary = {}
@@ -241,7 +271,8 @@ def main(argv=None) -> dict:
         rs = [r for r in runs if r["method"] == m]
         acc = np.array([r["acc"] for r in rs])  # (seeds, epochs)
         summary[m] = {
-            "acc_before": float(np.mean([r["acc_before"] for r in rs])),
+            "acc_before": (float(np.mean([r["acc_before"] for r in rs])) if args.before
+                           else None),
             "acc_mean": acc.mean(0).tolist(), "acc_min": acc.min(0).tolist(),
             "acc_max": acc.max(0).tolist(), "final_acc": float(acc[:, -1].mean()),
             # standard error of the mean over seeds, per epoch (0 for one seed)
@@ -251,6 +282,9 @@ def main(argv=None) -> dict:
             "informative_leaf_share": float(np.mean([np.mean(r["informative"]) for r in rs])),
             "leaves_per_step": float(np.mean([np.mean(r["leaves"]) for r in rs])),
             "generated_tokens_per_step": float(np.mean([np.mean(r["tokens"]) for r in rs])),
+            # runs logged before perf/step_s existed have none: no time figures
+            "step_s": (float(np.mean([np.mean(r["step_s"]) for r in rs]))
+                       if all(len(r.get("step_s", [])) == args.epochs for r in rs) else None),
             "wall_s": float(np.mean([r["wall_s"] for r in rs])),
             "final_acc_per_seed": acc[:, -1].tolist(),
             "effective_per_seed": [float(np.mean(r["effective"])) for r in rs],
@@ -271,17 +305,19 @@ def main(argv=None) -> dict:
     for m in methods:
         rs = [r for r in runs if r["method"] == m]
         r = summary[m]
-        r["budget_to_target"] = [budget_to_reach(x["acc_before"], x["acc"], x["leaves"], target)
-                                 for x in rs]
-        r["budget_to_target_mean_curve"] = (
-            budget_on_curve(r["acc_before"], r["acc_mean"],
-                            [r["leaves_per_step"]] * args.epochs, target)
-            if target is not None else None)
-        # the same curve in generated tokens (each step's mean over seeds)
-        r["tokens_to_target_mean_curve"] = (
-            budget_on_curve(r["acc_before"], r["acc_mean"],
-                            [r["generated_tokens_per_step"]] * args.epochs, target)
-            if target is not None else None)
+        for unit, key in (("budget", "leaves"), ("tokens", "tokens"), ("time", "step_s")):
+            # cost to the target per seed (first evaluation at or above it) and on the mean
+            # curve (each interval's mean cost over seeds; linear between evaluations)
+            reach = target is not None and args.before and (key != "step_s"
+                                                            or r["step_s"] is not None)
+            r[f"{unit}_to_target"] = [
+                budget_to_reach(x["acc_before"], x["acc"], per_eval(x[key], args.val_every),
+                                target) if reach else None for x in rs]
+            r[f"{unit}_to_target_mean_curve"] = (
+                budget_on_curve(r["acc_before"], r["acc_mean"],
+                                np.mean([per_eval(x[key], args.val_every) for x in rs],
+                                        axis=0).tolist(), target)
+                if reach else None)
         # the area under each seed's curve: the mean of its evaluations after every epoch
         r["mean_acc_per_seed"] = [float(np.mean(x["acc"])) for x in rs]
     if "uniform" in summary:
@@ -303,30 +339,31 @@ def main(argv=None) -> dict:
                                                            u["final_eval_per_seed"])
 
     print(f"\nlearning benchmark: {len(seeds)} seed(s) x {args.epochs} epochs, "
-          f"target accuracy {target:.3f}")
+          f"target accuracy {'-' if target is None else f'{target:.3f}'}")
     print(f"{'method':12s}{'acc before':>12s}{'final acc':>11s}{'min-max':>14s}"
           f"{'effective':>11s}{'informative':>13s}{'leaves/step':>13s}{'tokens/step':>13s}"
-          f"{'wall s':>9s}  leaves to target")
+          f"{'step s':>8s}{'wall s':>9s}  leaves to target")
     for m, r in summary.items():
-        print(f"{m:12s}{r['acc_before']:12.3f}{r['final_acc']:11.3f}"
+        print(f"{m:12s}{_num(r['acc_before'], '12.3f')}{r['final_acc']:11.3f}"
               f"{min(r['final_acc_per_seed']):7.3f}-{max(r['final_acc_per_seed']):.3f}"
               f"{r['effective_ratio']:11.3f}{r['informative_leaf_share']:13.3f}"
               f"{r['leaves_per_step']:13.1f}{r['generated_tokens_per_step']:13.0f}"
-              f"{r['wall_s']:9.0f}  {r['budget_to_target']}")
+              f"{_num(r['step_s'], '8.1f')}{r['wall_s']:9.0f}  {r['budget_to_target']}")
     if any("vs_uniform" in r for r in summary.values()):
         print(f"\npaired with uniform, seed by seed: mean difference +- standard error "
-              f"(seeds ahead / seeds); leaves to target on the mean curve")
-        print(f"{'method':12s}{'final acc':>24s}{'mean acc, all epochs':>26s}"
-              f"{'effective ratio':>24s}{'leaves to target':>18s}{'tokens to target':>18s}")
+              f"(seeds ahead / seeds); leaves, generated tokens and training seconds to the "
+              f"target on the mean curve")
+        print(f"{'method':12s}{'final acc':>24s}{'mean acc, all evals':>26s}"
+              f"{'effective ratio':>24s}{'leaves':>9s}{'tokens':>10s}{'seconds':>9s}")
 
         for m, r in summary.items():
-            b, tok = r["budget_to_target_mean_curve"], r["tokens_to_target_mean_curve"]
             v = r.get("vs_uniform")
             cells = [fmt_paired(v[k]) for k in ("final_acc", "mean_acc", "effective_ratio")] \
                 if v else ["", "", ""]
             print(f"{m:12s}{cells[0]:>24s}{cells[1]:>26s}{cells[2]:>24s}"
-                  f"{'-' if b is None else f'{b:.0f}':>18s}"
-                  f"{'-' if tok is None else f'{tok:.0f}':>18s}")
+                  f"{_num(r['budget_to_target_mean_curve'], '9.0f')}"
+                  f"{_num(r['tokens_to_target_mean_curve'], '10.0f')}"
+                  f"{_num(r['time_to_target_mean_curve'], '9.1f')}")
     if args.held_in:
         print(f"\ntraining-world accuracy ({args.held_in} questions), before RL and after each "
               f"epoch (mean over seeds); vs uniform: final, and all-epoch mean")
@@ -345,7 +382,8 @@ def main(argv=None) -> dict:
             print(f"{m:12s}{r['final_eval_acc']:11.3f}"
                   f"{fmt_paired(v['final_eval']) if v else '':>24s}  {seeds_txt}")
     result = {"benchmark": "learning", "seeds": seeds, "epochs": args.epochs,
-              "target": target, "methods": summary}
+              "val_every": args.val_every, "final_samples": args.final_samples,
+              "extra": args.extra, "target": target, "methods": summary}
     if "trace" in summary and "uniform" in summary:
         t, u = summary["trace"], summary["uniform"]
         vs = t["vs_uniform"]
@@ -357,16 +395,31 @@ def main(argv=None) -> dict:
         tb, ub = t["budget_to_target_mean_curve"], u["budget_to_target_mean_curve"]
         if tb is not None and ub:
             result["trace_budget_over_uniform"] = tb / ub
-        tt, ut = t["tokens_to_target_mean_curve"], u["tokens_to_target_mean_curve"]
-        if tt is not None and ut:
-            result["trace_tokens_over_uniform"] = tt / ut
-    if args.plot:
-        plot(summary, args.plot, target)
-    print(json.dumps(result))
+        for unit in ("tokens", "time"):
+            tc, uc = t[f"{unit}_to_target_mean_curve"], u[f"{unit}_to_target_mean_curve"]
+            if tc is not None and uc:
+                result[f"trace_{unit}_over_uniform"] = tc / uc
+    if args.plot and args.before:
+        plot(summary, args.plot, target, args.val_every)
+    out = args.out or (str(Path(args.out_dir) / "learning.json") if args.quick
+                       else str(provenance.RESULTS / "learning.json"))
+    provenance.publish(result, stamp, out, demo_dir="runs/demo/world")
     return result
 
 
-def plot(summary: dict, path: str, target: float | None) -> None:
+def per_eval(per_epoch: list[float], every: int) -> list[float]:
+    """Per-epoch costs summed over each stretch between evaluations (every ``every``)."""
+    n = len(per_epoch) // every
+    return [float(sum(per_epoch[i * every:(i + 1) * every])) for i in range(n)]
+
+
+def _num(x: float | None, spec: str) -> str:
+    """``x`` formatted, or a dash right-aligned to the same width where there is none."""
+    width = spec.split(".")[0]
+    return f"{'-':>{width}s}" if x is None else format(x, spec)
+
+
+def plot(summary: dict, path: str, target: float | None, val_every: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -374,7 +427,7 @@ def plot(summary: dict, path: str, target: float | None) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for m, r in summary.items():
-        leaves = r["leaves_per_step"] * np.arange(0, len(r["acc_mean"]) + 1)
+        leaves = r["leaves_per_step"] * val_every * np.arange(0, len(r["acc_mean"]) + 1)
         mean = np.array([r["acc_before"], *r["acc_mean"]])
         se = np.array([0.0, *r["acc_se"]])
         ax.plot(leaves, mean, marker="o", label=m)

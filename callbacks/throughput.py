@@ -11,15 +11,18 @@ At epoch start (the step is ready, see ``callbacks._common``), over all ranks:
 - ``perf/prefix_cache_share``: prefill tokens served from the engine's prefix cache (0 for
   the ``hf`` engine, which has none);
 - ``perf/rollout_engine_calls``: the step's turns, one batched engine call each (most of any
-  rank): the longest chain of turns, which a prompt's stage 2 starting early keeps short.
+  rank): the longest chain of turns, which a prompt's stage 2 starting early keeps short;
+- ``perf/sample_s``: the step's whole sampling phase (weight sync, rollouts, predictor
+  calls and fit, batching), slowest rank.
 
 At epoch end: ``perf/train_s`` (time inside training batches, slowest rank: validation and
 rollouts excluded), ``perf/train_tokens_per_s`` (policy tokens, the ones the loss trains on,
 of every rank, times the datamodule's ``ppo_epochs`` passes / ``train_s``),
 ``perf/train_all_tokens_per_s`` (all tokens of the leaves' sequences: the per-leaf work) and
 ``perf/train_forwarded_tokens_per_s`` (the tokens the forward passes read: with tree packing
-each tree's once; all three only for an epoch with a rollout step), ``perf/epoch_s`` (wall time since the previous epoch ended: rollout +
-training + validation), ``perf/rss_gb`` and ``perf/peak_rss_gb`` (host memory of the
+each tree's once; all three only for an epoch with a rollout step), ``perf/step_s``
+(``sample_s + train_s``: what the RL step costs, validation excluded), ``perf/epoch_s``
+(wall time since the previous epoch ended: rollout + training + validation), ``perf/rss_gb`` and ``perf/peak_rss_gb`` (host memory of the
 largest rank, current and peak), and on CUDA ``perf/cuda_max_allocated_gb`` /
 ``perf/cuda_max_reserved_gb`` (peak since start, largest rank).
 
@@ -60,6 +63,7 @@ class Throughput(RolloutCallback):
         self._epoch_tokens: tuple[int, int, int] | None = None
         self._train_s = 0.0
         self._batch_tic: float | None = None
+        self._sample_s: float | None = None  # this epoch's sampling phase, slowest rank
         self._last_epoch_end: float | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -73,6 +77,7 @@ class Throughput(RolloutCallback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_s = 0.0
         self._epoch_tokens = None
+        self._sample_s = None
         if not self._due(trainer):
             return
         dm = check_datamodule(trainer.datamodule, "Throughput")
@@ -81,6 +86,11 @@ class Throughput(RolloutCallback):
         sync_s = [s for s in gather(trainer, dm.timings.get("sync")) if s is not None]
         out: dict[str, float] = {}
         if summary is not None:
+            # Lightning asks for the epoch's dataloader (the sampling phase) just before this
+            sample_s = [s for s in gather(trainer, dm.timings.get("sample")) if s is not None]
+            if sample_s:
+                self._sample_s = max(sample_s)
+                out["perf/sample_s"] = self._sample_s
             passes = getattr(dm, "ppo_epochs", 1)  # each pass trains on every leaf once
             # a packed tree's forward reads each of its tokens once
             forwarded = (summary.tree_tokens if getattr(dm, "tree_packing", False)
@@ -130,6 +140,8 @@ class Throughput(RolloutCallback):
                "perf/epoch_s": max(p["epoch_s"] for p in parts),
                "perf/rss_gb": max(p["rss"] for p in parts),
                "perf/peak_rss_gb": max(p["peak_rss"] for p in parts)}
+        if self._sample_s is not None:  # the RL step without its validation
+            out["perf/step_s"] = self._sample_s + train_s
         if self._epoch_tokens is not None:  # the same on every rank (gathered at start)
             out["perf/train_tokens_per_s"] = ratio(self._epoch_tokens[0], train_s)
             out["perf/train_all_tokens_per_s"] = ratio(self._epoch_tokens[1], train_s)

@@ -53,7 +53,7 @@ EXPECTED_PERF = {
     "perf/rollout_tokens_per_s": 500 / 2.0, "perf/rollout_s": 2.0, "perf/predict_s": 0.5,
     "perf/retrieval_s": 0.75,
     "perf/sync_s": 0.25, "perf/sync_logprob_diff": 0.003, "perf/prefix_cache_share": 200 / 800,
-    "perf/rollout_engine_calls": 7.0,
+    "perf/rollout_engine_calls": 7.0, "perf/sample_s": 1.5,
 }
 
 
@@ -78,7 +78,7 @@ class StepData(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         epoch = self.trainer.current_epoch
         self.last_step = self.steps[min(epoch, len(self.steps) - 1)]
-        self.sync_diff, self.timings["sync"] = 0.003, 0.25
+        self.sync_diff, self.timings["sync"], self.timings["sample"] = 0.003, 0.25, 1.5
         return DataLoader(torch.arange(4.0).reshape(4, 1), batch_size=2)
 
     def val_dataloader(self) -> list[DataLoader]:
@@ -204,6 +204,10 @@ def test_values_of_the_hand_built_step(run):
     tokens = sum(sum(s.policy_mask) for s in step.sequences)
     e0 = acc.Scalars("perf/train_tokens_per_s")[0].value * acc.Scalars("perf/train_s")[0].value
     assert e0 == pytest.approx(tokens, rel=1e-4)
+    # the step's cost without validation: the sampling phase plus the update, every epoch
+    train_s = [e.value for e in acc.Scalars("perf/train_s")]
+    assert [e.value for e in acc.Scalars("perf/step_s")] == pytest.approx(
+        [1.5 + t for t in train_s], rel=1e-6)
 
 
 def test_train_tokens_count_every_ppo_pass_and_only_epochs_with_a_step(tmp_path):

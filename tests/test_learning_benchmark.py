@@ -12,10 +12,12 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
+def bench(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    # a summary without --out would publish to docs/results: here it goes to a temp folder
+    mod.provenance.RESULTS = tmp_path_factory.mktemp("results")
     return mod
 
 
@@ -103,8 +105,9 @@ def test_a_finished_run_is_reused_only_at_its_own_length(bench, tmp_path):
         w.add_scalar("val/demo_heldout/em", em, step)
     w.close()
     assert bench._finished(run, 3, False) and not bench._finished(run, 4, False)
-    with pytest.raises(SystemExit, match="holds a run of 3 epochs and --epochs is 2: pass "
-                                         "--out-dir for a new folder, or --fresh"):
+    with pytest.raises(SystemExit, match="holds a run of 3 evaluations and --epochs 2 "
+                                         "--val-every 1 ask for 2: pass --out-dir for a new "
+                                         "folder, or --fresh"):
         bench._finished(run, 2, False)
     # run without --held-in: it has no training-world figures for a summary to read
     with pytest.raises(SystemExit, match="without the training-world evaluation --held-in "
@@ -168,3 +171,67 @@ def test_held_in_accuracy_is_summarised_and_paired(bench, monkeypatch, tmp_path)
     assert final["diff_per_seed"] == pytest.approx([0.10, -0.02]) and final["ahead"] == 1
     assert final["mean"] == pytest.approx(0.04)
     assert mean["diff_per_seed"] == pytest.approx([0.07, -0.01])
+
+
+def test_a_run_evaluated_every_n_epochs_without_the_evaluation_before(bench, tmp_path):
+    """--val-every 4 --no-before: the fit alone (version_0), one evaluation per 4 epochs."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "oracle_seed0"
+    w = SummaryWriter(str(run / "tensorboard" / "version_0"))
+    for step, em in enumerate([0.41, 0.43]):
+        w.add_scalar("val/demo_heldout/em", em, step)
+    w.close()
+    assert bench._finished(run, 8, False, val_every=4, before=False)
+    assert not bench._finished(run, 12, False, val_every=4, before=False)
+    assert not bench._finished(run, 8, False, val_every=4, before=True)  # no version_1
+
+
+def test_per_eval_sums_each_stretch_between_evaluations(bench):
+    assert bench.per_eval([1.0, 2.0, 3.0, 4.0], 1) == [1.0, 2.0, 3.0, 4.0]
+    assert bench.per_eval([1.0, 2.0, 3.0, 4.0], 2) == [3.0, 7.0]
+
+
+def test_compute_to_target_in_leaves_tokens_and_seconds(bench, tmp_path, monkeypatch):
+    """Two seeds of uniform and trace, per-epoch figures by hand: the target is uniform's
+    final mean accuracy, 0.44; each method's mean curve reaches it at a cost read off by
+    linear interpolation, and the JSON line (with its provenance) goes to --out."""
+    curves = {  # method -> per seed: accuracy after epochs 1-2, tokens and step seconds
+        "uniform": [([0.42, 0.44], [1000, 1000], [10.0, 10.0]),
+                    ([0.40, 0.44], [1000, 1000], [12.0, 12.0])],
+        "trace": [([0.44, 0.46], [600, 600], [8.0, 8.0]),
+                  ([0.44, 0.44], [800, 800], [8.0, 8.0])],
+    }
+    order = []
+
+    def fake_run(method, seed, args, root):
+        order.append((method, seed))
+        acc, tokens, step_s = curves[method][seed]
+        return {"method": method, "seed": seed, "acc_before": 0.40, "acc_in_before": None,
+                "acc": acc, "effective": [0.5, 0.5], "informative": [0.5, 0.5],
+                "leaves": [256, 256], "tokens": tokens, "step_s": step_s,
+                "epoch_s": [20.0, 20.0], "wall_s": 60.0}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    out = tmp_path / "learning.json"
+    result = bench.main(["--methods", "uniform,trace", "--seeds", "0,1", "--epochs", "2",
+                         "--plot", str(tmp_path / "p.png"), "--out", str(out)])
+    # methods in turn within each seed
+    assert order == [("uniform", 0), ("trace", 0), ("uniform", 1), ("trace", 1)]
+    assert result["target"] == pytest.approx(0.44)
+    u, t = result["methods"]["uniform"], result["methods"]["trace"]
+    # uniform's mean curve 0.40, 0.41, 0.44 reaches 0.44 at the end of epoch 2: 2 x 1000
+    # tokens, 2 x 11 s; trace's 0.40, 0.44 at the end of epoch 1: 700 tokens, 8 s
+    assert u["tokens_to_target_mean_curve"] == pytest.approx(2000.0)
+    assert u["time_to_target_mean_curve"] == pytest.approx(22.0)
+    assert t["tokens_to_target_mean_curve"] == pytest.approx(700.0)
+    assert t["time_to_target_mean_curve"] == pytest.approx(8.0)
+    assert result["trace_tokens_over_uniform"] == pytest.approx(700 / 2000)
+    assert result["trace_time_over_uniform"] == pytest.approx(8 / 22)
+    # per seed: the first evaluation at or above the target
+    assert t["time_to_target"] == [8.0, 8.0] and u["time_to_target"] == [20.0, 24.0]
+    import json
+    line = json.loads(out.read_text())
+    assert line["trace_time_over_uniform"] == pytest.approx(8 / 22)
+    assert {"commit", "date", "machine"} <= set(line)
+    assert line["machine"]["cpus"] >= 1 and len(line["machine"]["load_before"]) == 3

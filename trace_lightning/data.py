@@ -518,6 +518,7 @@ class TraceDataModule(L.LightningDataModule):
             self._rollout_epoch = resumed
             done = {"micro": [], "n_tokens": 0.0}  # never trained: the epoch's batches ran
             return DataLoader([done], batch_size=None, collate_fn=lambda b: b)
+        tic = time.perf_counter()
         with self._engine_turn():
             step = self._rollout()
         self._rollout_epoch = step.epoch
@@ -528,6 +529,8 @@ class TraceDataModule(L.LightningDataModule):
             with fail_together("writing the step's trees (--data.trees_dir)", self._any_failed):
                 write_jsonl(step.trees, Path(self.trees_dir) / f"epoch_{epoch}_rank_{rank}.jsonl")
         batches = self._batches(step)
+        # the step's sampling phase: weight sync, rollouts, predictor fit and batching
+        self.timings["sample"] = time.perf_counter() - tic
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
 
     def _rollout(self) -> RolloutStep:
