@@ -19,8 +19,8 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +32,9 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from trace_lightning.engines import HFEngine, SamplingConfig  # noqa: E402
 from trace_lightning.models import build_tiny_from_corpus, read_corpus_texts  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads for both engines (vLLM freezes the count once started)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--out", default=str(provenance.RESULTS / "engines.json"),
+                   help="also write the JSON line here (empty: nowhere)")
     return p.parse_args(argv)
 
 
@@ -74,6 +79,7 @@ def generated(out) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    stamp = provenance.Stamp()
     torch.set_num_threads(args.threads)
     corpus = args.data / "hotpotqa" / "corpus.jsonl"
     tmp = tempfile.TemporaryDirectory()
@@ -88,8 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, tree_prompts = ids[:args.prompts], ids[args.prompts:args.prompts + args.leaves]
     sampling = SamplingConfig(temperature=1.0, max_tokens=args.new_tokens, seed=0)
     rows: list[dict] = []
-    result: dict = {"model": {"hidden": args.hidden, "layers": args.layers, "vocab": len(tok)},
-                    "load_avg_1m": os.getloadavg()[0]}
+    result: dict = {"benchmark": "engines",
+                    "model": {"hidden": args.hidden, "layers": args.layers, "vocab": len(tok)}}
 
     if not args.skip_hf:
         hf = HFEngine(model_dir, batch_size=args.prompts * args.n)
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
                       for r in rows]
     print(f"continuation / fresh, per leaf: {result['continuation_vs_fresh_per_leaf']} "
           f"(cold cache: {result['cold_continuation_vs_fresh_per_leaf']})")
-    print(json.dumps(result))
+    provenance.publish(result, stamp, args.out)
     tmp.cleanup()
     return result
 

@@ -55,7 +55,8 @@ They run in the order the targets need them: plain, ours, generation, compiled o
 ``--compile``), then the variants, so a tight budget drops variants first.
 ``--tiny`` runs every section on CPU, FSDP1 included (over gloo, see ``_fsdp_strategy``).
 
-    PYTHONPATH=. python benchmarks/gpu.py --out $OUT/gpu.json        # one H200, ~3-4 min
+    PYTHONPATH=. python benchmarks/gpu.py --out $OUT/gpu.json        # one H200, ~3-4 min;
+                                          # the published copy: docs/results/gpu.json
     PYTHONPATH=. python benchmarks/gpu.py --tiny                     # CPU smoke test, ~30 s
 """
 
@@ -701,7 +702,8 @@ def environment(s: Setup) -> dict:
     import transformers
 
     env = {"torch": torch.__version__, "cuda": torch.version.cuda,
-           "commit": _commit(), "lightning": lightning.__version__,
+           "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "lightning": lightning.__version__,
            "transformers": transformers.__version__, "device": str(s.device),
            "dtype": s.dtype_name, "placeholder_modules": PLACEHOLDERS,
            "flash_attn_pkg": importlib.util.find_spec("flash_attn") is not None}

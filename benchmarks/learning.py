@@ -350,9 +350,9 @@ def main(argv=None) -> dict:
               f"{r['leaves_per_step']:13.1f}{r['generated_tokens_per_step']:13.0f}"
               f"{_num(r['step_s'], '8.1f')}{r['wall_s']:9.0f}  {r['budget_to_target']}")
     if any("vs_uniform" in r for r in summary.values()):
-        print(f"\npaired with uniform, seed by seed: mean difference +- standard error "
-              f"(seeds ahead / seeds); leaves, generated tokens and training seconds to the "
-              f"target on the mean curve")
+        print("\npaired with uniform, seed by seed: mean difference +- standard error "
+              "(seeds ahead / seeds); leaves, generated tokens and training seconds to the "
+              "target on the mean curve")
         print(f"{'method':12s}{'final acc':>24s}{'mean acc, all evals':>26s}"
               f"{'effective ratio':>24s}{'leaves':>9s}{'tokens':>10s}{'seconds':>9s}")
 

@@ -46,11 +46,15 @@ from trace_lightning.datasets import load_qa
 from trace_lightning.retrieval import BM25Retriever, HTTPRetriever
 from trace_lightning.retrieval.server import serve_in_thread
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 DATASETS = {"hotpotqa": ("hotpotqa/dev_distractor.jsonl", "hotpotqa/corpus.jsonl"),
             "2wikimultihopqa": ("2wikimultihopqa/dev.jsonl", "2wikimultihopqa/corpus.jsonl")}
 KS = (1, 5, 10)
-OUT = REPO / "docs" / "results" / "retrieval.json"
+OUT = provenance.RESULTS / "retrieval.json"
+RECALL_OUT = provenance.RESULTS / "retrieval_recall.json"
 START_TIMEOUT_S = 600.0  # building an index the first time; a cached one loads in seconds
 REQUEST_TIMEOUT_S = 10.0
 RSS_TOLERANCE = 0.05  # "back to idle": within 5% of the RSS before the load
@@ -313,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     load.add_argument("--topk", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None,
                         help=f"also write the JSON line here (default with --clients: "
-                             f"{OUT.relative_to(REPO)}, the published figures' file)")
+                             f"{OUT.relative_to(REPO)}, without it and --limit: "
+                             f"{RECALL_OUT.relative_to(REPO)}; the published figures' files)")
     args = parser.parse_args(argv)
     for name in ("clients", "max_requests", "queries_per_request", "topk"):
         value = getattr(args, name)
@@ -322,13 +327,12 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0 < args.duration_s <= 600:
         parser.error(f"--duration-s ({args.duration_s}) must be in (0, 600]")
 
+    stamp = provenance.Stamp()
     result = load_main(args) if args.clients is not None else recall_main(args)
-    line = json.dumps(result)
-    out = args.out or (OUT if args.clients is not None else None)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(line + "\n")
-    print(line)
+    # the default runs publish; a run over the first --limit questions is a smaller one
+    out = args.out or (OUT if args.clients is not None
+                       else RECALL_OUT if args.limit is None else None)
+    provenance.publish(result, stamp, out)
     return result
 
 

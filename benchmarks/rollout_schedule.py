@@ -25,9 +25,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from allocation import OnlinePredictor, add_step_args, demo_world  # noqa: E402
+import provenance  # noqa: E402
 
 from trace_lightning.allocators import Allocator  # noqa: E402
 from trace_lightning.collect import collect_step  # noqa: E402
@@ -51,12 +50,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kinds", default="random_tree,trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="1 warm-up and 2 measured steps")
-    p.add_argument("--out", default=None, help="also write the JSON result here")
+    p.add_argument("--out", default=None,
+                   help="also write the JSON line here (default "
+                        "docs/results/rollout_schedule.json; none with --quick)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    stamp = provenance.Stamp()
     if args.quick:
         args.steps, args.warmup_steps = 2, 1
     torch.manual_seed(args.seed)
@@ -126,9 +128,8 @@ def main(argv=None) -> dict:
     result = {"benchmark": "rollout_schedule", "roots": args.roots,
               "continuations": args.continuations, "candidates": args.candidates,
               "steps": args.steps, "seed": args.seed, "rows": rows, "ratios": ratios}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    out = args.out or (None if args.quick else provenance.RESULTS / "rollout_schedule.json")
+    provenance.publish(result, stamp, out, demo_dir=args.demo_dir)
     return result
 
 

@@ -48,6 +48,9 @@ from trace_lightning.advantage import assign_advantages  # noqa: E402
 from trace_lightning.loss import weighted_policy_loss  # noqa: E402
 from trace_lightning.module import TraceModule  # noqa: E402
 from trace_lightning.packing import leaf_minibatches  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 from trace_lightning.tree import RolloutTree, read_jsonl, write_jsonl  # noqa: E402
 from trace_lightning.tree_attention import TREE_SDPA  # noqa: E402
 from trace_lightning.tree_packing import (WEIGHT_KEYS, tree_minibatches,  # noqa: E402
@@ -77,7 +80,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- the trees -----------------------------------------------------------------------------
 def demo_trees(args) -> dict[str, list[RolloutTree]]:
     """One step of uniform and one of trace on the same candidates (the demo's budget)."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from allocation import OnlinePredictor, demo_world  # the allocation benchmark's world
 
     from trace_lightning.allocators import Allocator
@@ -217,6 +219,7 @@ def main(argv=None) -> dict:
     if args.measure:
         print(json.dumps(measure(args)))
         return {}
+    stamp = provenance.Stamp()
     out_dir = Path(args.trees_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not all((out_dir / f"{k}.jsonl").exists() for k in ("uniform", "trace")):
@@ -248,7 +251,7 @@ def main(argv=None) -> dict:
 
     result = {"benchmark": "update", "config": {k: v for k, v in vars(args).items()
                                                 if k not in ("measure", "layout")},
-              "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "sets": rows}
+              "sets": rows}
     for name in SETS:
         p, leaf = rows[name]["packed"], rows[name]["leaf"]
         result[f"{name}_tokens_ratio"] = p["tokens"] / leaf["tokens"]
@@ -257,23 +260,11 @@ def main(argv=None) -> dict:
         result[f"{name}_peak_rss_ratio"] = p["peak_rss_mb"] / leaf["peak_rss_mb"]
         result[f"{name}_loss_rel_diff"] = (abs(p["step_loss"] - leaf["step_loss"])
                                            / max(abs(leaf["step_loss"]), 1e-12))
-    print(f"\nupdate benchmark (packed / per-leaf): "
+    print("\nupdate benchmark (packed / per-leaf): "
           + ", ".join(f"{n}: tokens {result[f'{n}_tokens_ratio']:.3f}, time "
                       f"{result[f'{n}_time_ratio']:.3f}" for n in SETS))
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    provenance.publish(result, stamp, args.out, demo_dir=args.demo_dir)
     return result
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":
