@@ -121,11 +121,20 @@ class TreeSummary:
     leaf_rewards: list[float]
     subtree_rewards: list[list[float]]  # per bare rollout, its leaves' rewards
     bare_rewards: list[float]
-    em: list[float]
-    f1: list[float]
+    metrics: dict[str, list[float]]  # the task's per-leaf metrics (search QA: em, f1)
     branch_continuations: list[int]  # per branched prefix (continuations > 0)
     branch_depths: list[int]  # its depth (1 = after the first turn)
     mixed: bool
+
+
+def leaf_metrics(leaves) -> dict[str, list[float]]:
+    """Each task metric's values over the leaves that have it."""
+    out: dict[str, list[float]] = {}
+    for n in leaves:
+        for k, v in (n.metrics or {}).items():
+            if v is not None:
+                out.setdefault(k, []).append(float(v))
+    return out
 
 
 def summarize_tree(tree: RolloutTree, stage1: int | None = None) -> TreeSummary:
@@ -138,8 +147,7 @@ def summarize_tree(tree: RolloutTree, stage1: int | None = None) -> TreeSummary:
         leaf_rewards=[float(n.reward or 0.0) for n in leaves],
         subtree_rewards=[by_rollout[k] for k in sorted(by_rollout)],
         bare_rewards=bare_rewards(tree, stage1),
-        em=[float(n.em) for n in leaves if n.em is not None],
-        f1=[float(n.f1) for n in leaves if n.f1 is not None],
+        metrics=leaf_metrics(leaves),
         branch_continuations=[n.continuations for n in branched],
         branch_depths=[n.depth for n in branched],
         mixed=tree.mixed)
@@ -222,12 +230,12 @@ def reward_variance_metrics(s: StepSummary) -> dict[str, float]:
     bare = [t.bare_rewards for t in trees if t.bare_rewards]
     if bare:
         out["rollout/zero_std_share_bare"] = mean([len(set(b)) <= 1 for b in bare])
-    ems = [x for t in trees for x in t.em]
-    f1s = [x for t in trees for x in t.f1]
-    if ems:
-        out["rollout/em"] = mean(ems)
-    if f1s:
-        out["rollout/f1"] = mean(f1s)
+    by_metric: dict[str, list[float]] = {}
+    for t in trees:
+        for k, values in t.metrics.items():
+            by_metric.setdefault(k, []).extend(values)
+    for k in sorted(by_metric):  # the task's metrics over every leaf (search QA: em, f1)
+        out[f"rollout/{k}"] = mean(by_metric[k])
     if s.advantages:
         out["rollout/informative_leaf_share"] = mean(
             [abs(a) > ADV_ATOL for a in s.advantages])

@@ -120,8 +120,8 @@ def tree_markdown(tree: RolloutTree, max_chars: int = 160) -> str:
             info.append(f"<< branched: +{n.continuations} continuations")
         if n.finished:
             mark = "ok" if (n.reward or 0.0) > 0 else "x"
-            info.append(f"=> reward {_num(n.reward)} {mark} (em {_num(n.em)}, f1 {_num(n.f1)}, "
-                        f"{n.finish_reason or 'end'})")
+            scores = "".join(f"{k} {_num(v)}, " for k, v in (n.metrics or {}).items())
+            info.append(f"=> reward {_num(n.reward)} {mark} ({scores}{n.finish_reason or 'end'})")
         lines.append(indent + branch + "  ".join(info))
         if n.text:
             lines.append(indent + more + "   says: " + shorten(n.text, max_chars))

@@ -44,7 +44,8 @@ def _turn(tree: RolloutTree, parent: int, rollout: int | None = None, *, action:
                        observation="" if finished else "Doc 1(Title: T) some passage text",
                        action=action, argument="paris" if action == "answer" else "query",
                        finished=finished, finish_reason=action if finished else "",
-                       reward=reward, em=reward, f1=f1)
+                       reward=reward,
+                       metrics=None if reward is None else {"em": reward, "f1": f1})
     n.prediction = prediction
     return n
 

@@ -46,7 +46,7 @@ def test_config_builds_its_module_and_datamodule(config):
         chain = ["--config", str(REPO / "configs" / "demo.yaml"), *chain]
     built = cli([*chain, "--trainer.accelerator=cpu", "--trainer.strategy=auto",
                  "--trainer.devices=1"], run=False)
-    assert (built.datamodule.demo is None) == (config.name == "hotpotqa_qwen3.yaml")
+    assert (built.datamodule.task.demo is None) == (config.name == "hotpotqa_qwen3.yaml")
     assert built.trainer.checkpoint_callback is not None
 
 
@@ -73,7 +73,7 @@ def test_what_the_demo_uses_beside_it_is_allowed(tmp_path):
     own = EvalSet("mine", str(tmp_path / "dev.jsonl"))
     dm = TraceDataModule(demo=DemoConfig(out_dir=str(tmp_path)), policy_path="p", val=[own],
                          retriever_url="http://127.0.0.1:8000", train_limit=10)
-    assert dm.val_sets == [own]
+    assert dm.task.val_sets == [own]
 
 
 # A key line: `key:` or a list item's first key `- key:` (flow mappings `{a: 1}` are values).

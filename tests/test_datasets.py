@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from trace_lightning.datasets import QAExample, load_qa, split_train_val
+from trace_lightning.datasets import load_qa, split_train_val
+from trace_lightning.tasks.base import Example
 
 
 def write_jsonl(path, records) -> None:
@@ -16,7 +17,7 @@ def write_jsonl(path, records) -> None:
 def test_load_real_hotpotqa_dev(shared_data):
     examples = load_qa(shared_data / "hotpotqa" / "dev_distractor.jsonl")
     assert len(examples) == 1350 and len({e.id for e in examples}) == 1350
-    assert examples[0] == QAExample(
+    assert examples[0] == Example(
         id="5a8b57f25542995d1e6f1371",
         question="Were Scott Derrickson and Ed Wood of the same nationality?",
         answers=["yes"], dataset="hotpotqa", supporting_titles=["Scott Derrickson", "Ed Wood"])
@@ -49,7 +50,7 @@ def test_flashrag_form(tmp_path):
         {"id": "x", "question": "Named?", "golden_answers": ["yes"], "dataset": "strategyqa"},
     ])
     a, b, c = load_qa(path)
-    assert a == QAExample("test_0", "Who wrote Hamlet?", ["Shakespeare", "William Shakespeare"],
+    assert a == Example("test_0", "Who wrote Hamlet?", ["Shakespeare", "William Shakespeare"],
                           "musique", ["Hamlet"])  # dataset from the folder; titles de-duplicated
     assert (b.id, b.answers) == ("1", ["8"])  # numbers become strings, blank aliases dropped
     assert c.dataset == "strategyqa"  # the record's own field wins

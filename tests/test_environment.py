@@ -10,16 +10,23 @@ import pytest
 
 from trace_lightning.environment import (
     SEARCH_R1_INSTRUCTION,
-    Action,
+    STOP_STRINGS,
     SearchEnvironment,
     format_passages,
     parse_turn,
-    through_first_stop,
 )
+from trace_lightning.tasks.base import Turn, through_first_stop
 from trace_lightning.models import AGENT_TAGS, read_corpus_texts, train_tokenizer
 from trace_lightning.retrieval import BM25Retriever, Passage
 
 EOS = "<|im_end|>"
+
+
+def scores(env: SearchEnvironment, final: Turn, golds) -> tuple[float, float, float]:
+    """(reward, em, f1) of ``env.score``, whose metrics are a dict."""
+    reward, metrics = env.score(final, golds)
+    assert set(metrics) == {"em", "f1"}
+    return reward, metrics["em"], metrics["f1"]
 
 # (id, generated text, error substring); every one must parse as "invalid"
 MALFORMED = [
@@ -174,10 +181,10 @@ def test_instruction_may_hold_other_braces(tokenizer, retriever):
     ("<think>no stop yet", "<think>no stop yet"),
 ])
 def test_a_turn_ends_at_its_first_stop_string(text, turn):
-    assert through_first_stop(text) == turn
+    assert through_first_stop(text, STOP_STRINGS) == turn
     if turn.endswith("</answer>"):
         assert parse_turn(text).kind == "invalid"  # what the whole token's text would give
-        assert parse_turn(through_first_stop(text)) == Action("answer", "Paris")
+        assert parse_turn(through_first_stop(text, STOP_STRINGS)) == Turn("answer", "Paris")
 
 
 def test_prompt_example_answer_is_never_scored(env):
@@ -190,19 +197,19 @@ def test_prompt_example_answer_is_never_scored(env):
     for generated in ["", "<think>I know this.</think>", "<think>capital</think><search>"
                       "capital of China</search>", "<answer>Shanghai</answer>", "Beijing",
                       "<answer> Beijing"]:
-        assert env.score(parse_turn(generated), golds) == (0.0, 0.0, 0.0), generated
-    assert env.score(parse_turn("<think>x</think><answer> Beijing </answer>"),
+        assert scores(env, parse_turn(generated), golds) == (0.0, 0.0, 0.0), generated
+    assert scores(env, parse_turn("<think>x</think><answer> Beijing </answer>"),
                      golds) == (1.0, 1.0, 1.0)
-    assert env.score(parse_turn("<answer>peking.</answer>"), golds) == (1.0, 1.0, 1.0)
+    assert scores(env, parse_turn("<answer>peking.</answer>"), golds) == (1.0, 1.0, 1.0)
 
 
 def test_empty_answer_scores_zero(env):
     action = parse_turn("<answer></answer>")
-    assert action == Action("answer", "")
-    assert env.score(action, ["Paris"]) == (0.0, 0.0, 0.0)
+    assert action == Turn("answer", "")
+    assert scores(env, action, ["Paris"]) == (0.0, 0.0, 0.0)
     # a search or an invalid turn as the final action also scores 0, whatever its text
-    assert env.score(Action("search", "Paris"), ["Paris"]) == (0.0, 0.0, 0.0)
-    assert env.score(Action("invalid", "Paris", error="x"), ["Paris"]) == (0.0, 0.0, 0.0)
+    assert scores(env, Turn("search", "Paris"), ["Paris"]) == (0.0, 0.0, 0.0)
+    assert scores(env, Turn("invalid", "Paris", error="x"), ["Paris"]) == (0.0, 0.0, 0.0)
 
 
 @pytest.mark.parametrize("kind, threshold, answer, want", [
@@ -226,7 +233,7 @@ def test_empty_answer_scores_zero(env):
 ])
 def test_reward_kinds(tokenizer, retriever, kind, threshold, answer, want):
     env = SearchEnvironment(tokenizer, retriever, reward=kind, f1_threshold=threshold)
-    reward, em, f1 = env.score(parse_turn(f"<answer>{answer}</answer>"),
+    reward, em, f1 = scores(env, parse_turn(f"<answer>{answer}</answer>"),
                                ["Barack Obama", "Barry"])
     assert reward == pytest.approx(want, abs=1e-12)
     assert 0.0 <= em <= f1 <= 1.0
@@ -234,8 +241,8 @@ def test_reward_kinds(tokenizer, retriever, kind, threshold, answer, want):
 
 def test_yes_no_answers(env):
     # HotpotQA's rule: "no" earns nothing against "yes", not even F1
-    assert env.score(parse_turn("<answer>no</answer>"), ["yes"]) == (0.0, 0.0, 0.0)
-    assert env.score(parse_turn("<answer>Yes.</answer>"), ["yes"]) == (1.0, 1.0, 1.0)
+    assert scores(env, parse_turn("<answer>no</answer>"), ["yes"]) == (0.0, 0.0, 0.0)
+    assert scores(env, parse_turn("<answer>Yes.</answer>"), ["yes"]) == (1.0, 1.0, 1.0)
 
 
 def test_observation_format(env, retriever, tokenizer):

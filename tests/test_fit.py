@@ -314,7 +314,7 @@ def test_validate_reports_per_dataset_accuracy(demo_dir, tmp_path, recwarn):
     # 16 questions x the demo config's 2 samples each
     assert float(metrics["val/demo_heldout/questions"]) == 32
     # the held-out set searches its own corpus; validating never indexes the training one
-    assert list(out.datamodule._retrievers) == [str(demo_dir / "eval_corpus.jsonl")]
+    assert list(out.datamodule.task._retrievers) == [str(demo_dir / "eval_corpus.jsonl")]
     # vLLM starts torch.distributed in this one process; QAAccuracy's values are reduced
     # already, so Lightning's advice to log them with sync_dist=True is not shown
     assert not [w for w in recwarn if "self.log('val/" in str(w.message)]
@@ -384,7 +384,7 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     trees = out.datamodule.last_val_trees["demo_heldout"]
     assert len(trees) == 16 and all(len(t.leaves()) == 3 for t in trees)
     # pass@1: the mean over every sample, not one per question
-    leaves = [leaf.em for t in trees for leaf in t.leaves()]
+    leaves = [leaf.metrics["em"] for t in trees for leaf in t.leaves()]
     assert em / 48 == pytest.approx(sum(leaves) / len(leaves), abs=1e-6)
     with pytest.raises(ValueError, match="--data.val_samples"):
         main(["validate", *demo_args(demo_dir, tmp_path, 1), "--data.val_temperature=0.0",
@@ -569,7 +569,7 @@ def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, d
                          val=[EvalSet("wiki", str(wiki / "dev.jsonl"), corpus=missing)])
     with pytest.raises(FileNotFoundError, match=r"--data.val\[0\].corpus \(set 'wiki'\)"):
         dm.setup("fit")
-    assert dm.engine is None and not dm.train_examples  # nothing started
+    assert dm.engine is None and not dm.task.train_examples  # nothing started
     # QA files before prepare_data downloads a policy or builds a demo; limits, and two
     # retrievers at once, at construction
     corpus = dict(corpus=str(hotpot / "corpus.jsonl"))
@@ -587,13 +587,13 @@ def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, d
     dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo)), policy_path=str(demo / "model"),
                          val=[EvalSet("held", str(demo / "eval_qa.jsonl"),
                                       corpus=str(demo / "eval_corpus.jsonl"))])
-    dm._check_files(True, before_demo=True)
+    dm.task._check_files(True, before_demo=True)
     with pytest.raises(FileNotFoundError, match=r"--data.val\[0\] \(set 'held'\): QA file"):
-        dm._check_files(True)
+        dm.task._check_files(True)
     dm = TraceDataModule(**{**common, "train": missing}, **corpus)
     dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="validate"))
     dm.prepare_data()
-    with pytest.raises(ValueError, match=r"--data.train: limit \(-3\) must be >= 0"):
+    with pytest.raises(ValueError, match=r"--data.train_limit \(-3\) must be >= 0"):
         TraceDataModule(**common, **corpus, train_limit=-3)
     with pytest.raises(ValueError, match=r"both --data.corpus \('.*corpus.jsonl'\) and "
                                          r"--data.retriever_url \('http://127.0.0.1:1'\)"):
@@ -635,7 +635,7 @@ def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_d
                         retriever_reconnect_wait_s=float("inf"))
     dm = TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
                          retriever_reconnect_wait_s=4.5)
-    assert dm._retriever(None).reconnect_wait_s == 4.5  # the flag reaches the client
+    assert dm.task._retriever(None).reconnect_wait_s == 4.5  # the flag reaches the client
     with pytest.raises(ValueError, match=r"--data.demo.options: 'n_peple' is not an option.*"
                                          r"n_people"):
         DemoConfig(out_dir=str(tmp_path / "demo"), options={"n_peple": 5})
@@ -700,9 +700,9 @@ def test_nan_reward_stops_the_step_without_a_checkpoint(demo_dir, tmp_path, monk
 
     original = environment.SearchEnvironment.score
 
-    def nan_score(self, action, golds):  # a reward function gone wrong
-        reward, em, f1 = original(self, action, golds)
-        return float("nan"), em, f1
+    def nan_score(self, final, answers):  # a reward function gone wrong
+        reward, metrics = original(self, final, answers)
+        return float("nan"), metrics
 
     monkeypatch.setattr(environment.SearchEnvironment, "score", nan_score)
     with pytest.raises(ValueError, match="is not finite"):
@@ -752,7 +752,7 @@ def test_validate_on_real_hotpotqa_dev(hotpot_policy, shared_data, tmp_path):
     assert all(len(t.leaves()) == 1 for t in trees)
     # the logged scores are the leaves' own
     for key in ("em", "f1"):
-        leaves = [getattr(t.leaves()[0], key) for t in trees]
+        leaves = [t.leaves()[0].metrics[key] for t in trees]
         assert float(metrics[f"val/hotpotqa/{key}"]) == pytest.approx(sum(leaves) / 6, abs=1e-6)
 
 

@@ -215,10 +215,10 @@ def test_a_validation_set_on_the_training_corpus_shares_its_index(shared_data, t
     other = tmp_path / "other.jsonl"
     other.write_text('{"id": "1", "title": "T", "text": "another corpus"}\n')
     dm = TraceDataModule(train="unused.jsonl", corpus=corpus)
-    training = dm._retriever(corpus)
-    assert dm._retriever(None) is training
-    assert dm._retriever(str(other)) is not training
-    assert len(dm._retrievers) == 2
+    training = dm.task._retriever(corpus)
+    assert dm.task._retriever(None) is training
+    assert dm.task._retriever(str(other)) is not training
+    assert len(dm.task._retrievers) == 2
 
 
 def test_a_corpus_without_any_word_is_named(tmp_path):

@@ -276,7 +276,7 @@ def test_datamodule_gives_the_client_its_timeout_and_retries(server_url):
 
     dm = TraceDataModule(train="unused.jsonl", retriever_url=server_url,
                          retriever_timeout_s=42.0, retriever_retries=5)
-    client = dm._retriever(None)
+    client = dm.task._retriever(None)
     assert isinstance(client, HTTPRetriever) and (client.timeout_s, client.retries) == (42.0, 5)
 
 

@@ -23,7 +23,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trace_lightning.datasets import QAExample, load_qa
+from trace_lightning.datasets import load_qa
+from trace_lightning.tasks.base import Example
 from trace_lightning.engines import HFEngine, SamplingConfig, build_engine, make_probe, sync_weights
 from trace_lightning.environment import SearchEnvironment, parse_turn
 from trace_lightning.models import build_tiny_from_corpus
@@ -186,7 +187,7 @@ def examples(shared_data):
     # six real dev questions (two yes/no ones), and the trap of the prompt's own example
     dev = load_qa(shared_data / "hotpotqa" / "dev_distractor.jsonl", limit=6)
     assert [e.answers[0] for e in dev].count("yes") + [e.answers[0] for e in dev].count("no") == 2
-    return dev + [QAExample("beijing", "What is the capital of China?", ["Beijing"], "trap")]
+    return dev + [Example("beijing", "What is the capital of China?", ["Beijing"], "trap")]
 
 
 # ---- checks shared by the tests ------------------------------------------------------------
@@ -212,7 +213,7 @@ def check_tree(tree: RolloutTree, tokenizer, env: SearchEnvironment) -> None:
             assert n_pol == len(node.token_ids)
         if node.finished:
             assert not node.children and node.finish_reason in FINISH_REASONS
-            assert 0.0 <= node.reward <= 1.0 and node.em is not None and node.f1 is not None
+            assert 0.0 <= node.reward <= 1.0 and set(node.metrics) == {"em", "f1"}
             if node.finish_reason != "answer":
                 assert node.reward == 0.0
             assert node.depth <= env.max_turns
@@ -394,7 +395,7 @@ def test_max_turns_ends_with_reward_zero(vllm_scripted, retriever, tokenizer, ex
     assert cut, "with p(search) = 3/4 some of 21 rollouts search twice"
     for n in cut:
         assert n.depth == 2 and n.action == "search" and n.argument == "American"
-        assert n.observation == "" and (n.reward, n.em, n.f1) == (0.0, 0.0, 0.0)
+        assert n.observation == "" and (n.reward, n.metrics) == (0.0, {"em": 0.0, "f1": 0.0})
     for t in trees:
         check_tree(t, tokenizer, env)
         assert max(n.depth for n in t.nodes) <= 2
@@ -409,7 +410,7 @@ def test_max_seq_tokens_ends_with_reward_zero(vllm_scripted, retriever, tokenize
     cut = [(t, n) for t in trees for n in t.leaves() if n.finish_reason == "max_tokens"]
     assert cut, "a search turn adds about 60 tokens to prompts of about 260"
     for tree, n in cut:
-        assert n.action == "search" and (n.reward, n.em, n.f1) == (0.0, 0.0, 0.0)
+        assert n.action == "search" and (n.reward, n.metrics) == (0.0, {"em": 0.0, "f1": 0.0})
         # its observation would not have fitted: the leaf ends on the search, within the limit
         assert n.observation == "" and n.n_policy_tokens == len(n.token_ids)
         assert len(tree.prefix_ids(n.id)) < limit

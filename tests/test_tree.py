@@ -42,8 +42,7 @@ def random_tree(seed: int, open_ends: bool = False) -> RolloutTree:
             finished=leaf, finish_reason="answer" if leaf else "",
             reward=float(rng.randint(0, 1)) if leaf else None)
         if leaf:
-            node.em = node.reward
-            node.f1 = node.reward
+            node.metrics = {"em": node.reward, "f1": node.reward}
             return
         if open_ends and rng.random() < 0.2:
             return  # an inner node whose continuations were not sampled yet

@@ -14,7 +14,8 @@ def _episode(last_finish: str) -> tuple[RolloutTree, int]:
                         observation="<information>doc</information>")
     last = t.add_child(first.id, token_ids=[5], logprobs=[-1.0], policy_mask=[1],
                        action="search", argument="y", finished=True,
-                       finish_reason=last_finish, reward=0.0)
+                       finish_reason=last_finish, reward=0.0,
+                       metrics={"em": 0.0, "f1": 0.0})
     return t, last.id
 
 
@@ -23,6 +24,6 @@ def test_searches_count_the_searches_that_ran_not_the_one_the_episode_ended_on()
     # the rollout budget's tool_calls does not count it either
     for finish in ("max_turns", "max_tokens"):
         t, leaf = _episode(finish)
-        row = val_row(t, t.nodes[leaf])
+        row = val_row(t, t.nodes[leaf], "searches")
         assert row["searches"] == 1.0, finish
         assert (row["dataset"], row["em"], row["malformed"]) == ("hotpotqa", 0.0, 0.0)

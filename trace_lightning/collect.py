@@ -20,7 +20,7 @@ import numpy as np
 
 from trace_lightning.advantage import assign_advantages
 from trace_lightning.allocators import Allocator, RootPlan
-from trace_lightning.datasets import QAExample
+from trace_lightning.tasks.base import Example
 from trace_lightning.rollout import AgentLoop, Start
 from trace_lightning.tree import Budget, LeafSequence, RolloutTree
 
@@ -50,7 +50,7 @@ class RolloutStep:
     engine_calls: int = 0
 
 
-def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAExample],
+def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Example],
                  predict: Predict | None, predictor_nodes_seen: int, epoch: int, seed: int,
                  advantage: str, shard: tuple[int, int] = (0, 1),
                  agree: Callable[[RootPlan], RootPlan] | None = None,
@@ -73,9 +73,8 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[QAE
     (``PrefixPlanner``), and those join the next turn beside the other prompts' stage 1.
     Once every prompt is planned, the pool of budget prompts could not use is spent, and
     what no prefix can take becomes extra bare rollouts, round robin, so every allocator
-    spends the same leaves. ``overlap=False`` waits for every bare rollout first (the
-    schedule before; ``benchmarks/rollout_schedule.py`` compares the two): the same plan,
-    sampled in two waves.
+    spends the same leaves. ``overlap=False`` waits for every bare rollout first (two
+    waves: the same plan; ``benchmarks/rollout_schedule.py`` compares the two schedules).
     """
     seconds: dict[str, float] = {}
     tic, calls = time.perf_counter(), loop.engine_calls

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -32,17 +31,20 @@ from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
 from trace_lightning.collectives import (all_gather_list, any_rank, fail_together, from_rank0,
                                          raise_together)
 from trace_lightning.data_config import DemoConfig, EngineConfig, EnvConfig, EvalSet
-from trace_lightning.datasets import QAExample, load_qa
 from trace_lightning.engines.base import SamplingConfig
-from trace_lightning.environment import SEARCH_R1_INSTRUCTION, SearchEnvironment
 from trace_lightning.export import checkpoint_meta
 from trace_lightning.hub import local_model_dir
+from trace_lightning.learner import learner_of
 from trace_lightning.packing import equalise_over_ranks, leaf_minibatches
-from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Retriever
 from trace_lightning.rollout import AgentLoop, sample_trees
+from trace_lightning.tasks.base import Example, TaskData
+from trace_lightning.tasks.search_qa.data import SearchQAData
 from trace_lightning.tree import RolloutTree, write_jsonl
 from trace_lightning.tree_packing import tree_minibatches, update_units
 from trace_lightning.validation import resampled_loader, val_row
+
+# the search-QA task's own flags (TraceDataModule's arguments for it)
+SEARCH_QA_FLAGS = ("train", "corpus", "retriever_url", "val", "env", "demo")
 
 # --ckpt_path values Lightning resolves itself (not files)
 LIGHTNING_CKPT_KEYS = ("best", "last", "hpc", "registry")
@@ -53,7 +55,14 @@ log = logging.getLogger(__name__)
 class TraceDataModule(L.LightningDataModule):
     """Budgeted tree rollouts from a vLLM (or transformers) engine, each epoch.
 
+    The task (what the agent does, its examples and resources) is ``task``: any
+    ``TaskData`` (``trace_lightning.tasks``), e.g. the arithmetic agent's. Without one the
+    task is search QA, configured by the arguments from ``train`` to ``demo`` (they belong
+    to it and are refused beside ``task``).
+
     Args:
+        task: the task's data and environment (``--data.task.class_path`` and its
+            ``init_args``); None: search QA from the arguments below.
         train: training questions, QA JSONL (ignored when ``demo`` is set).
         corpus: BM25 corpus JSONL for the training questions (or use ``retriever_url``).
         retriever_url: a Search-R1 retrieval server (``trace-lightning-retriever``).
@@ -91,7 +100,8 @@ class TraceDataModule(L.LightningDataModule):
         seed: seed of candidate sampling and rollouts.
     """
 
-    def __init__(self, train: str | None = None, corpus: str | None = None,
+    def __init__(self, task: TaskData | None = None,
+                 train: str | None = None, corpus: str | None = None,
                  retriever_url: str | None = None, retriever_timeout_s: float = 10.0,
                  retriever_retries: int = 2, retriever_reconnect_wait_s: float = 30.0,
                  val: list[EvalSet] | None = None,
@@ -107,14 +117,23 @@ class TraceDataModule(L.LightningDataModule):
         super().__init__()
         # a step without training sequences gives every rank an empty train loader
         self.allow_zero_length_dataloader_with_multiple_devices = True
-        self.train_path, self.corpus, self.retriever_url = train, corpus, retriever_url
-        self.retriever_timeout_s, self.retriever_retries = retriever_timeout_s, retriever_retries
-        self.retriever_reconnect_wait_s = retriever_reconnect_wait_s
-        self.val_sets = list(val or [])
+        if task is not None:
+            given = {"train": train, "corpus": corpus, "retriever_url": retriever_url,
+                     "val": val, "env": env, "demo": demo}
+            set_ = [f"--data.{k}" for k in SEARCH_QA_FLAGS if given[k]]
+            if set_:
+                raise ValueError(
+                    f"--data.task ({type(task).__name__}) and {', '.join(set_)} are both set: "
+                    f"those are the search-QA task's settings, which --data.task replaces; "
+                    f"set them in --data.task.init_args, or leave --data.task out for search "
+                    f"QA")
+        self.task = task or SearchQAData(
+            train=train, corpus=corpus, retriever_url=retriever_url,
+            retriever_timeout_s=retriever_timeout_s, retriever_retries=retriever_retries,
+            retriever_reconnect_wait_s=retriever_reconnect_wait_s, val=val, env=env, demo=demo)
         self.policy_path = policy_path
         self.policy_dir = policy_path  # a hub id becomes its cached snapshot in setup
         self.engine_cfg = engine or EngineConfig()
-        self.env_cfg = env or EnvConfig()
         self.sampling = sampling or SamplingConfig()
         self.val_temperature, self.val_samples = val_temperature, val_samples
         self.allocator = allocator or Allocator("trace", roots=16, continuations=1,
@@ -124,14 +143,11 @@ class TraceDataModule(L.LightningDataModule):
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.minibatches_per_step = minibatches_per_step
         self.ppo_epochs = ppo_epochs
-        self.train_limit, self.trees_dir, self.demo, self.seed = train_limit, trees_dir, demo, seed
+        self.train_limit, self.trees_dir, self.seed = train_limit, trees_dir, seed
         self.oracle_samples = oracle_samples
         self._check_config()
         self.engine = None
         self.tokenizer = None
-        self.train_examples: list[QAExample] = []
-        self.val_examples: dict[str, list[QAExample]] = {}
-        self._retrievers: dict[str, Retriever] = {}
         self._prepare_error: Exception | None = None  # prepare_data's, raised in setup
         self._checkpoint: tuple[str | None, Exception | None] | None = None  # expect_checkpoint
         self._rng = np.random.default_rng(seed)
@@ -146,30 +162,20 @@ class TraceDataModule(L.LightningDataModule):
 
     # ---- configuration checks (before any work) ------------------------------------------
     def _check_config(self) -> None:
-        if self.demo is None and not self.train_path:
-            raise ValueError("--data.train is not set; give a QA JSONL of training questions "
-                             "or set --data.demo to use the generated demo world")
-        if self.demo is None and not (self.corpus or self.retriever_url):
-            raise ValueError("neither --data.corpus nor --data.retriever_url is set; the agent "
-                             "needs a retriever: give a corpus JSONL for BM25 or the URL of "
-                             "`trace-lightning-retriever`")
-        if self.demo is None and self.corpus and self.retriever_url:
-            raise ValueError(f"both --data.corpus ({self.corpus!r}) and --data.retriever_url "
-                             f"({self.retriever_url!r}) are set: training would search the "
-                             f"corpus, validation sets without a corpus the server; set one "
-                             f"(a validation set can name its own corpus in --data.val)")
-        for flag, _, limit in self._qa_files():
-            if limit is not None and limit < 0:
-                raise ValueError(f"{flag}: limit ({limit}) must be >= 0 or null (all)")
-        if self.max_tokens_per_microbatch < self.env_cfg.max_seq_tokens:
+        """The step's settings, refused before any work (the task checked its own)."""
+        if self.train_limit is not None and self.train_limit < 0:
+            raise ValueError(f"--data.train_limit ({self.train_limit}) must be >= 0 or null "
+                             f"(all)")
+        seq = self.task.max_seq_tokens  # the task's trajectory limit (--data.env.max_seq_tokens)
+        if self.max_tokens_per_microbatch < seq:
             raise ValueError(f"--data.max_tokens_per_microbatch ({self.max_tokens_per_microbatch})"
-                             f" must be >= --data.env.max_seq_tokens "
-                             f"({self.env_cfg.max_seq_tokens}) so any trajectory fits")
-        if self.engine_cfg.max_model_len < self.env_cfg.max_seq_tokens + self.sampling.max_tokens:
+                             f" must be >= the task's max_seq_tokens ({seq}, "
+                             f"--data.env.max_seq_tokens for search QA) so any trajectory fits")
+        if self.engine_cfg.max_model_len < seq + self.sampling.max_tokens:
             raise ValueError(
                 f"--data.engine.max_model_len ({self.engine_cfg.max_model_len}) must be >= "
-                f"--data.env.max_seq_tokens + --data.sampling.max_tokens "
-                f"({self.env_cfg.max_seq_tokens} + {self.sampling.max_tokens})")
+                f"the task's max_seq_tokens + --data.sampling.max_tokens "
+                f"({seq} + {self.sampling.max_tokens}; --data.env.max_seq_tokens for search QA)")
         if not self.sampling.temperature > 0 or self.sampling.top_p != 1.0:
             raise ValueError(
                 f"--data.sampling.temperature ({self.sampling.temperature}) must be > 0 and "
@@ -188,36 +194,11 @@ class TraceDataModule(L.LightningDataModule):
         if self.oracle_samples < 1:
             raise ValueError(f"--data.oracle_samples ({self.oracle_samples}) must be >= 1: the "
                              f"rollouts per node that estimate its success for 'oracle'")
-        if self.retriever_url:
-            self._http_retriever()  # its flags are checked now (no request is made)
-        names = [v.name for v in self.val_sets]
-        if len(set(names)) < len(names):
-            twice = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"--data.val names {twice} more than once; a set's name is its "
-                             f"metric key (val/<name>/em), so one would replace the other: "
-                             f"give each set its own name")
         needed = self.allocator.prompts_needed
         if self.candidates_per_step < needed:
             raise ValueError(f"--data.candidates_per_step ({self.candidates_per_step}) is smaller "
                              f"than the {needed} prompts allocator {self.allocator.kind!r} needs "
                              f"per step; raise it or lower --data.allocator.roots")
-        if self.demo is not None:
-            # the demo trains on its own questions and searches its own corpora (its held-out
-            # set too): these would be ignored; the server still serves a --data.val set
-            # without a corpus of its own
-            ignored = [(f, v) for f, v in (("--data.train", self.train_path),
-                                           ("--data.corpus", self.corpus)) if v]
-            if self.retriever_url and all(v.corpus for v in self.val_sets):
-                ignored.append(("--data.retriever_url", self.retriever_url))
-            if ignored:
-                given = ", ".join(f"{f} ({v!r})" for f, v in ignored)
-                flags = ", ".join(f for f, _ in ignored)
-                raise ValueError(
-                    f"{given} and --data.demo are both set: the demo world trains on its own "
-                    f"questions and searches its own corpora, so {flags} would be ignored; set "
-                    f"--data.demo=null to use yours (configs/demo.yaml sets data.demo), or "
-                    f"leave them out to train on the demo world")
-
     # ---- Lightning hooks ----------------------------------------------------------------
     def prepare_data(self) -> None:
         # Lightning calls this on one process per node: what fails here is raised on every
@@ -232,20 +213,9 @@ class TraceDataModule(L.LightningDataModule):
 
     def _prepare(self) -> None:
         fitting = self.trainer is None or self.trainer.state.fn == "fit"
-        self._check_files(fitting, before_demo=True)
-        if self.retriever_url:  # before the minutes of a hub download or the demo's build
-            self._check_retriever()
-        if self.demo is not None:
-            from trace_lightning.demo.prepare import DemoPaths, prepare_demo
-
-            model_dir = DemoPaths.under(self.demo.out_dir).model
-            if Path(self.policy_path).resolve() != model_dir.resolve():
-                raise ValueError(f"--model.policy_path ({self.policy_path!r}) must be the demo's "
-                                 f"policy {str(model_dir)!r} when --data.demo is set; set it so")
-            prepare_demo(self.demo.out_dir, seed=self.demo.seed, eval_seed=self.demo.eval_seed,
-                         warm_start_steps=self.demo.warm_start_steps, **self.demo.options)
-        else:
-            local_model_dir(self.policy_path)  # a hub id downloads here, once per node
+        # the task's files, then what it builds (the demo's world and policy)
+        self.task.prepare(self.policy_path, fitting)
+        local_model_dir(self.policy_path)  # a hub id downloads here, once per node
 
     def expect_checkpoint(self, path: str | None, error: Exception | None = None) -> None:
         """The checkpoint this process is to load (``--ckpt_path`` as the CLI resolved it,
@@ -286,87 +256,12 @@ class TraceDataModule(L.LightningDataModule):
     def _setup(self, stage: str) -> None:
         """Everything of ``setup`` that reads this process's files and services (no
         collective), before the engine starts."""
-        if self.demo is not None:
-            from trace_lightning.demo.prepare import DemoPaths
-
-            paths = DemoPaths.under(self.demo.out_dir)
-            self.train_path, self.corpus = str(paths.train_qa), str(paths.train_corpus)
-            if not self.val_sets:
-                self.val_sets = [EvalSet("demo_heldout", str(paths.eval_qa),
-                                         corpus=str(paths.eval_corpus), limit=None)]
         # the tokenizer and the engine read a directory: a hub id's cached snapshot
         self.policy_dir = local_model_dir(self.policy_path)
-        self._check_files(stage == "fit")
         self._check_checkpoint()
+        self.task.setup(stage == "fit", self.train_limit, self._rank[1],
+                        self.allocator.prompts_needed)
         self._check_val_limit()
-        if self.retriever_url:  # on every process (prepare_data ran on one per node)
-            self._check_retriever()
-        if stage == "fit" and not self.train_examples:
-            self.train_examples = load_qa(self.train_path, limit=self.train_limit)
-            needed = self.allocator.prompts_needed
-            if len(self.train_examples) < needed:
-                raise ValueError(
-                    f"{self.train_path} holds {len(self.train_examples)} training questions "
-                    f"(--data.train, --data.train_limit {self.train_limit}), fewer than the "
-                    f"{needed} prompts allocator {self.allocator.kind!r} needs per step; give "
-                    f"more questions or lower --data.allocator.roots")
-        if not self.val_examples:
-            # the set's name is the metric key, whatever the records call themselves
-            self.val_examples = {v.name: [replace(e, dataset=v.name)
-                                          for e in load_qa(v.path, limit=v.limit)]
-                                 for v in self.val_sets}
-        world = self._rank[1]
-        for v in self.val_sets:
-            examples = self.val_examples[v.name]
-            if not examples:
-                raise ValueError(
-                    f"validation set {v.name!r} ({v.path}) holds no questions (limit "
-                    f"{v.limit}); give it a QA file with records and a limit of at least "
-                    f"{world}, or leave it out of --data.val")
-            if len(examples) < world:
-                raise ValueError(
-                    f"validation set {v.name!r} ({v.path}) holds {len(examples)} questions, "
-                    f"fewer than the {world} processes: one without any would skip validation "
-                    f"while the others wait for it to gather accuracy (a hang); give it at "
-                    f"least {world} (its limit in --data.val) or leave it out")
-        # corpora are read (and indexed, cached on disk) now: a bad line fails before the
-        # engine starts, not at the first rollout or validation epochs later
-        if stage == "fit" and not self.retriever_url:
-            self._retriever(None)
-        for v in self.val_sets:
-            if v.corpus:
-                self._retriever(v.corpus)
-
-    def _qa_files(self, fitting: bool = True) -> list[tuple[str, str, int | None]]:
-        """(flag, path, limit) of every QA file named (the training file when ``fitting``
-        and not a demo run, whose files prepare_data writes)."""
-        named = [(f"--data.val[{i}] (set {v.name!r})", v.path, v.limit)
-                 for i, v in enumerate(self.val_sets)]
-        if self.demo is None and fitting:
-            named.insert(0, ("--data.train", self.train_path, self.train_limit))
-        return named
-
-    def _check_files(self, fitting: bool, before_demo: bool = False) -> None:
-        """Every QA file and corpus named exists: before prepare_data downloads a policy or
-        builds the demo (``before_demo``: files the demo writes are not there yet), and
-        before the first epoch trains (a validation set's files are read only at the first
-        validation)."""
-        named = [(flag, "QA file", path) for flag, path, _ in self._qa_files(fitting)]
-        named += [("--data.corpus", "corpus", self.corpus)] + [
-            (f"--data.val[{i}].corpus (set {v.name!r})", "corpus", v.corpus)
-            for i, v in enumerate(self.val_sets)]
-        demo_dir = Path(self.demo.out_dir).resolve() if before_demo and self.demo else None
-        for flag, what, path in named:
-            if demo_dir is not None and path and demo_dir in Path(path).resolve().parents:
-                continue
-            if path and Path(path).is_dir():
-                raise IsADirectoryError(f"{flag}: {what} {path!r} is a directory, not a file; "
-                                        f"give the path of the JSONL inside it")
-            if path and not Path(path).is_file():
-                line = "passage" if what == "corpus" else "question"
-                raise FileNotFoundError(f"{flag}: {what} {path!r} does not exist; give the "
-                                        f"path of a {what} JSONL (one {line} per line)")
-
     def _check_checkpoint(self) -> None:
         """The checkpoint of ``expect_checkpoint`` is on this process's file system, and
         holds what this run will load (``checkpoints.check_checkpoint``)."""
@@ -387,8 +282,8 @@ class TraceDataModule(L.LightningDataModule):
             except ValueError as e:
                 raise ValueError(f"--ckpt_path: {e}") from None
             # its predictor fits this run's (a sharded checkpoint's shapes are not in its meta)
-            module = self.trainer.lightning_module if self.trainer is not None else None
-            if hasattr(module, "check_checkpoint_predictor"):
+            if self.trainer is not None:
+                module = learner_of(self.trainer)
                 module.check_checkpoint_predictor(meta.get("state_dict", {}))
                 # the rest of what the run will load: keys, shapes, bytes, values
                 check_checkpoint(path, meta, module, self.policy_dir,
@@ -400,7 +295,7 @@ class TraceDataModule(L.LightningDataModule):
         would score only part of those rollouts, and on a process whose share rounds to no
         batch Lightning stops while the others wait for it in the rollouts' collectives."""
         limit = getattr(self.trainer, "limit_val_batches", None)
-        if isinstance(limit, float) and 0.0 < limit < 1.0 and self.val_sets:
+        if isinstance(limit, float) and 0.0 < limit < 1.0 and self.task.val_examples:
             raise ValueError(
                 f"--trainer.limit_val_batches ({limit}): validation rolls out all of each "
                 f"set's questions before scoring a batch, so a share of the batches would "
@@ -421,42 +316,6 @@ class TraceDataModule(L.LightningDataModule):
                 f"would train or score different weights; keep the run's logs "
                 f"(--trainer.default_root_dir and the logger's save_dir) on a file system "
                 f"every node sees, or pass one checkpoint's path")
-
-    def _retriever(self, corpus: str | None) -> Retriever:
-        """BM25 over ``corpus``; None: the retrieval server, or else the training corpus.
-        One retriever per corpus or server (a validation set on the training corpus shares
-        the training retriever's index)."""
-        if corpus is None and self.retriever_url:
-            key = self.retriever_url
-            if key not in self._retrievers:
-                self._retrievers[key] = self._http_retriever()
-        else:
-            key = corpus or self.corpus
-            if key not in self._retrievers:
-                self._retrievers[key] = BM25Retriever(key)
-        return self._retrievers[key]
-
-    def _check_retriever(self) -> None:
-        """The retrieval server answers, and fits the client's batches (``HTTPRetriever.check``)."""
-        self._retriever(None).check(self.env_cfg.topk, max_query_chars=self.env_cfg.max_query_chars)
-
-    def _http_retriever(self) -> HTTPRetriever:
-        return HTTPRetriever(self.retriever_url, timeout_s=self.retriever_timeout_s,
-                             retries=self.retriever_retries,
-                             reconnect_wait_s=self.retriever_reconnect_wait_s)
-
-    def _env(self, corpus: str | None, search: bool = True) -> SearchEnvironment:
-        """The environment on ``corpus``'s retriever; ``search=False``: prompts only (no
-        retriever is built: a validate-only run never indexes the training corpus)."""
-        c = self.env_cfg
-        retriever = self._retriever(corpus) if search else None
-        return SearchEnvironment(self.tokenizer, retriever, topk=c.topk,
-                                 max_turns=c.max_turns, max_obs_tokens=c.max_obs_tokens,
-                                 max_seq_tokens=c.max_seq_tokens,
-                                 max_query_chars=c.max_query_chars,
-                                 instruction=c.instruction or SEARCH_R1_INSTRUCTION,
-                                 use_chat_template=c.use_chat_template, reward=c.reward,
-                                 f1_threshold=c.f1_threshold)
 
     @property
     def _rank(self) -> tuple[int, int]:
@@ -480,8 +339,8 @@ class TraceDataModule(L.LightningDataModule):
         the next epoch's rollout samples with; the engine keeps them while it sleeps)."""
         if self._synced_step == self.trainer.global_step:
             return
-        module = self.trainer.lightning_module
-        probe = [self._env(None, search=False).prompt(self._probe_question())[0][:64]]
+        module = learner_of(self.trainer)
+        probe = [self._probe_prompt()[:64]]
         tic = time.perf_counter()
         # an engine failing on one process stops every process (sync_weights)
         self.sync_diff = module.sync_to_engine(self.engine, probe, self.engine_cfg.sync_atol,
@@ -489,9 +348,15 @@ class TraceDataModule(L.LightningDataModule):
         self.timings["sync"] = time.perf_counter() - tic
         self._synced_step = self.trainer.global_step
 
-    def _probe_question(self) -> str:
-        examples = self.train_examples or next(iter(self.val_examples.values()), [])
-        return examples[0].question if examples else "probe"
+    def _probe_prompt(self) -> list[int]:
+        """A prompt's token ids for the weight-sync check: the first training example's (a
+        validate-only run: the first validation example's, with that set's task)."""
+        if self.task.train_examples:
+            return self.task.environment(self.tokenizer).prompt(self.task.train_examples[0])[0]
+        for name, examples in self.task.val_examples.items():
+            if examples:
+                return self.task.environment(self.tokenizer, name).prompt(examples[0])[0]
+        return self.tokenizer.encode("probe", add_special_tokens=False)
 
     @contextlib.contextmanager
     def _engine_turn(self):
@@ -522,7 +387,7 @@ class TraceDataModule(L.LightningDataModule):
         with self._engine_turn():
             step = self._rollout()
         self._rollout_epoch = step.epoch
-        module = self.trainer.lightning_module
+        module = learner_of(self.trainer)
         module.receive_step(step)
         epoch, (rank, _) = self.trainer.current_epoch, self._rank
         if self.trees_dir:
@@ -535,18 +400,18 @@ class TraceDataModule(L.LightningDataModule):
 
     def _rollout(self) -> RolloutStep:
         """This epoch's tree rollouts from the synced engine."""
-        module = self.trainer.lightning_module
+        module = learner_of(self.trainer)
         self._sync()
         epoch = self.trainer.current_epoch
         rank, world = self._rank
         # the same candidates on every rank: the allocator's budget is global
-        idx = self._rng.choice(len(self.train_examples),
-                               size=min(self.candidates_per_step, len(self.train_examples)),
+        examples = self.task.train_examples
+        idx = self._rng.choice(len(examples), size=min(self.candidates_per_step, len(examples)),
                                replace=False)
-        candidates = [self.train_examples[i] for i in idx]
+        candidates = [examples[i] for i in idx]
         self.allocator.start_step(epoch, rank)
         bar = self._progress_bar(f"Rollout {epoch}", self.allocator.leaves_per_step // world)
-        loop = AgentLoop(self.engine, self._env(self.corpus), self.sampling,
+        loop = AgentLoop(self.engine, self.task.environment(self.tokenizer), self.sampling,
                          on_leaves=bar.update if bar is not None else None)
         if self.allocator.kind == "oracle":
             predict = oracle_predict(loop, self.oracle_samples, seed=self.seed + epoch)
@@ -613,26 +478,28 @@ class TraceDataModule(L.LightningDataModule):
         """
         rank, world = self._rank
         loaders = []
-        for v in self.val_sets:
-            mine = self.val_examples[v.name][rank::world]
+        for name, examples in self.task.val_examples.items():
+            mine = examples[rank::world]
             loaders.append(resampled_loader(len(mine) * self.val_samples,
-                                            lambda v=v, mine=mine: self._val_rows(v, mine)))
+                                            lambda n=name, mine=mine: self._val_rows(n, mine)))
         return loaders
 
-    def _val_rows(self, v: EvalSet, mine: list[QAExample]) -> list[dict]:
+    def _val_rows(self, name: str, mine: list[Example]) -> list[dict]:
         """``val_samples`` rollouts at ``val_temperature`` per question of this rank's share
-        of ``v``, with the current weights (synced first if the policy changed)."""
+        of validation set ``name``, with the current weights (synced first if the policy
+        changed)."""
+        env = self.task.environment(self.tokenizer, name)
         with self._engine_turn():
             self._sync()
             tic = time.perf_counter()
             sampling = SamplingConfig(temperature=self.val_temperature, top_p=1.0,
                                       max_tokens=self.sampling.max_tokens, seed=self.seed)
-            trees = sample_trees(self.engine, self._env(v.corpus), mine, n=self.val_samples,
+            trees = sample_trees(self.engine, env, mine, n=self.val_samples,
                                  sampling=sampling, seed=self.seed, any_rank=self._any_rank)
-        self.last_val_trees[v.name] = trees
+        self.last_val_trees[name] = trees
         self.last_val_step = self.trainer.global_step
         self.timings["validation_rollout"] = time.perf_counter() - tic
-        return [val_row(t, leaf) for t in trees for leaf in t.leaves()]
+        return [val_row(t, leaf, env.calls_metric) for t in trees for leaf in t.leaves()]
 
     # ---- checkpointing: the sampler's RNG -----------------------------------------------
     def state_dict(self) -> dict:

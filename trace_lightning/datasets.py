@@ -19,27 +19,16 @@ import logging
 import math
 import os
 import shlex
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from trace_lightning.jsonl import jsonl_lines
 from trace_lightning.reward import normalize_answer
+from trace_lightning.tasks.base import Example
 
 log = logging.getLogger(__name__)
 
 _SCHEMA = ('each line must be a JSON object {"id", "question", "answers": [str, ...]} '
            '(or FlashRAG\'s "golden_answers" instead of "answers")')
-
-
-@dataclass
-class QAExample:
-    """One question with every accepted answer (``answers[0]`` is the gold one)."""
-
-    id: str
-    question: str
-    answers: list[str]
-    dataset: str
-    supporting_titles: list[str] = field(default_factory=list)  # [] where the file has none
 
 
 def _supporting_titles(record: dict) -> list[str]:
@@ -52,7 +41,7 @@ def _supporting_titles(record: dict) -> list[str]:
     return list(dict.fromkeys(t for t in titles if isinstance(t, str)))
 
 
-def _parse(record: object, where: str, dataset: str) -> QAExample:
+def _parse(record: object, where: str, dataset: str) -> Example:
     if not isinstance(record, dict):
         raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object; {_SCHEMA}")
     qid = record.get("id")
@@ -88,7 +77,7 @@ def _parse(record: object, where: str, dataset: str) -> QAExample:
         raise ValueError(f"{where} (id {qid!r}) has no non-empty answer in \"{key}\" "
                          f"({raw!r}); every question needs at least one gold answer")
     name = record.get("dataset")
-    return QAExample(id=qid, question=question, answers=answers,
+    return Example(id=qid, question=question, answers=answers,
                      dataset=name if isinstance(name, str) and name else dataset,
                      supporting_titles=_supporting_titles(record))
 
@@ -105,7 +94,7 @@ def _json_array_message(path: Path, line_no: int) -> str:
 
 
 def load_qa(path: str | os.PathLike, dataset: str | None = None,
-            limit: int | None = None) -> list[QAExample]:
+            limit: int | None = None) -> list[Example]:
     """Read a QA JSONL (our schema or FlashRAG's), in file order; blank lines are skipped.
 
     A file with no record at all is a ValueError that says it is empty, and one that is a
@@ -133,7 +122,7 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
     if limit is not None and limit < 0:
         raise ValueError(f"limit ({limit}) must be >= 0 or None (all examples)")
     fallback = dataset or path.resolve().parent.name
-    examples: list[QAExample] = []
+    examples: list[Example] = []
     first_line: dict[str, int] = {}
     unscorable: list[str] = []  # ids of questions no answer can score on
     if limit == 0:
@@ -181,8 +170,8 @@ def _unit_hash(seed: int, example_id: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2 ** 64
 
 
-def split_train_val(examples: list[QAExample], val_fraction: float,
-                    seed: int) -> tuple[list[QAExample], list[QAExample]]:
+def split_train_val(examples: list[Example], val_fraction: float,
+                    seed: int) -> tuple[list[Example], list[Example]]:
     """(train, val), each in input order; ``val`` holds about ``val_fraction`` of examples."""
     if not 0.0 <= val_fraction <= 1.0:
         raise ValueError(f"val_fraction ({val_fraction}) must be in [0, 1]")

@@ -1,4 +1,5 @@
-"""The ReAct search agent's format (Search-R1 convention) and its environment.
+"""The search-QA task: the ReAct search agent's format (Search-R1 convention) and its
+environment, a ``Task`` (``trace_lightning.tasks.base``).
 
 The policy writes ``<think>...</think>`` then either ``<search>query</search>`` (the
 environment appends ``<information>Doc 1(Title: T) text ...</information>`` with the top-k
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 from trace_lightning.reward import reward_from_scores, score_answer
 from trace_lightning.retrieval import Passage, Retriever
+from trace_lightning.tasks.base import Example, Turn, through_first_stop
 
 SEARCH_R1_INSTRUCTION = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first "
@@ -34,16 +35,7 @@ STOP_STRINGS = ["</search>", "</answer>"]
 _TAG_RE = re.compile(r"</?(think|search|answer|information)>")
 
 
-@dataclass
-class Action:
-    """One parsed turn. ``kind`` is "search", "answer" or "invalid" (with a reason)."""
-
-    kind: Literal["search", "answer", "invalid"]
-    argument: str = ""
-    error: str = ""
-
-
-def parse_turn(text: str) -> Action:
+def parse_turn(text: str) -> Turn:
     """Parse one generated turn; never raises.
 
     Valid: optional ``<think>...</think>`` blocks, then exactly one ``<search>q</search>`` or
@@ -63,16 +55,16 @@ def parse_turn(text: str) -> Action:
         tag, closing = m.group(1), m.group(0).startswith("</")
         if depth_tag is None:
             if closing:
-                return Action("invalid", error=f"</{tag}> without an opening tag")
+                return Turn("invalid", error=f"</{tag}> without an opening tag")
             if tag == "information":
-                return Action("invalid", error="the policy wrote an <information> block")
+                return Turn("invalid", error="the policy wrote an <information> block")
             if actions:
-                return Action("invalid", error=f"<{tag}> after the action (two actions or text "
+                return Turn("invalid", error=f"<{tag}> after the action (two actions or text "
                                                f"after the action)")
             depth_tag, content_start = tag, m.end()
         else:
             if not closing or tag != depth_tag:
-                return Action("invalid", error=f"<{m.group(0)[1:-1]}> inside <{depth_tag}> "
+                return Turn("invalid", error=f"<{m.group(0)[1:-1]}> inside <{depth_tag}> "
                                                f"(nested or unclosed tags)")
             if depth_tag in ("search", "answer"):
                 actions.append((depth_tag, text[content_start:m.start()]))
@@ -80,26 +72,16 @@ def parse_turn(text: str) -> Action:
         pos = m.end()
     trailing = text[pos:]
     if depth_tag is not None:
-        return Action("invalid", error=f"<{depth_tag}> is never closed")
+        return Turn("invalid", error=f"<{depth_tag}> is never closed")
     if not actions:
-        return Action("invalid", error="no <search> or <answer> outside <think>")
+        return Turn("invalid", error="no <search> or <answer> outside <think>")
     if trailing.strip():
-        return Action("invalid", error="text after the action")
+        return Turn("invalid", error="text after the action")
     kind, arg = actions[0]
     arg = " ".join(arg.split())
     if kind == "search" and not arg:
-        return Action("invalid", error="empty search query")
-    return Action(kind, arg)  # type: ignore[arg-type]
-
-
-def through_first_stop(text: str, stops: Sequence[str] = STOP_STRINGS) -> str:
-    """``text`` up to the end of its first stop string (all of it when there is none).
-
-    Engines stop on the token that completes a stop string and keep that whole token, so a
-    byte-level BPE turn can end ``</answer>.`` (``>.`` one token); the turn is what came
-    before, and the rest of that token is not text after the action."""
-    ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
-    return text[: min(ends)] if ends else text
+        return Turn("invalid", error="empty search query")
+    return Turn(kind, arg)
 
 
 def format_passages(passages: Sequence[Passage]) -> str:
@@ -130,7 +112,8 @@ def check_settings(topk: int, max_turns: int, max_obs_tokens: int, max_seq_token
 
 
 class SearchEnvironment:
-    """Prompt, turn parsing, observations and reward of the multi-hop QA search agent.
+    """Prompt, turn parsing, observations and reward of the multi-hop QA search agent: the
+    search-QA ``Task`` (its tool is ``search``; metrics ``em`` and ``f1``).
 
     Args:
         tokenizer: the policy's tokenizer (a transformers tokenizer).
@@ -149,6 +132,7 @@ class SearchEnvironment:
     """
 
     stop = STOP_STRINGS
+    calls_metric = "searches"  # validation's count of the searches a trajectory ran
 
     def __init__(self, tokenizer, retriever: Retriever | None, topk: int = 3, max_turns: int = 4,
                  max_obs_tokens: int = 256, max_seq_tokens: int = 2048,
@@ -179,14 +163,23 @@ class SearchEnvironment:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt(self, question: str) -> tuple[list[int], str]:
-        """Token ids and text of the root prompt for ``question``."""
+    def prompt(self, example: Example | str) -> tuple[list[int], str]:
+        """Token ids and text of the root prompt for ``example`` (or a question's text)."""
+        question = example.question if isinstance(example, Example) else example
         # not str.format: an instruction may hold other braces (a JSON example)
         text = self.instruction.replace("{question}", question.strip())
         if self.use_chat_template and self.tokenizer.chat_template:
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         return self._encode(text), text
+
+    def parse(self, text: str) -> Turn:
+        """One generated turn, cut at its first stop string, parsed (``parse_turn``)."""
+        return parse_turn(through_first_stop(text, self.stop))
+
+    def execute(self, calls: Sequence[Turn]) -> list[tuple[list[int], str]]:
+        """The observation of each search, in one retriever call (``observe``)."""
+        return self.observe([c.argument for c in calls])
 
     def observe(self, queries: list[str]) -> list[tuple[list[int], str]]:
         """One batched retriever call; token ids and text of each observation (of at most
@@ -206,8 +199,10 @@ class SearchEnvironment:
             out.append((ids, self.tokenizer.decode(ids)))
         return out
 
-    def score(self, action: Action, golds: Sequence[str]) -> tuple[float, float, float]:
-        """(reward, em, f1) of a final action; 0 unless it is an answer."""
-        answer = action.argument if action.kind == "answer" else None
-        em, f1 = score_answer(answer, golds)
-        return reward_from_scores(em, f1, self.reward_kind, self.f1_threshold), em, f1
+    def score(self, final: Turn, answers: Sequence[str]) -> tuple[float, dict[str, float]]:
+        """The reward of a trajectory that ended on ``final`` and its ``em`` and ``f1``; 0
+        unless it answered."""
+        answer = final.argument if final.kind == "answer" else None
+        em, f1 = score_answer(answer, answers)
+        reward = reward_from_scores(em, f1, self.reward_kind, self.f1_threshold)
+        return reward, {"em": em, "f1": f1}

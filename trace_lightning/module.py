@@ -68,7 +68,8 @@ def without_dropout(config):
 
 
 class TraceModule(L.LightningModule):
-    """Policy + shared predictor, trained with TRACE's tree rollouts.
+    """Policy + shared predictor, trained with TRACE's tree rollouts; the ``Learner`` the
+    DataModule's RL step works through (``trace_lightning.learner``).
 
     Args:
         policy_path: directory of a transformers causal LM and its tokenizer

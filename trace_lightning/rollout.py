@@ -1,7 +1,8 @@
 """The agent loop: many trajectories at once, grown into rollout trees.
 
-Each turn makes one batched engine call for every live trajectory and one batched retriever
-call for every search among them; the observation is appended as token ids. A trajectory
+Each turn makes one batched engine call for every live trajectory and one batched call of
+the task's tool for every tool call among them (``Task.execute``: the searches of search
+QA); the observation is appended as token ids. A trajectory
 starts from a node of a tree: from the root it is a new bare rollout, from a turn node it is
 a continuation that resumes that prefix's exact token ids (no re-tokenising, no repeated
 tool calls: the observations are already in the prefix).
@@ -17,9 +18,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from trace_lightning.collectives import log_failure, raise_failed
-from trace_lightning.datasets import QAExample
 from trace_lightning.engines.base import Completion, RolloutEngine, SamplingConfig
-from trace_lightning.environment import SearchEnvironment, parse_turn, through_first_stop
+from trace_lightning.tasks.base import Example, Task
 from trace_lightning.tree import Budget, RolloutTree
 
 
@@ -41,26 +41,27 @@ class Start:
 
 
 class AgentLoop:
-    """Grows trees with an engine and an environment.
+    """Grows trees with an engine and a task.
 
     Args:
         engine: the rollout engine (vLLM or transformers).
-        env: the search environment (prompt, parsing, retrieval, reward).
-        sampling: sampling settings of every turn (stop strings come from the environment).
+        env: the task (prompt, parsing, tool calls, reward): ``SearchEnvironment`` for
+            search QA.
+        sampling: sampling settings of every turn (stop strings come from the task).
         on_leaves: called after every turn with the number of trajectories it finished
             (progress bars).
     """
 
-    def __init__(self, engine: RolloutEngine, env: SearchEnvironment, sampling: SamplingConfig,
+    def __init__(self, engine: RolloutEngine, env: Task, sampling: SamplingConfig,
                  on_leaves: Callable[[int], None] | None = None):
         self.engine, self.env = engine, env
         self.sampling = replace(sampling, stop=list(env.stop))
         self.on_leaves = on_leaves  # told how many trajectories each turn finished
         self.engine_calls = 0  # turns run so far: one batched engine call each
-        self.retrieval_s = 0.0  # wall seconds inside the retriever so far
+        self.retrieval_s = 0.0  # wall seconds inside the task's tool calls so far
 
-    def new_tree(self, example: QAExample) -> RolloutTree:
-        ids, text = self.env.prompt(example.question)
+    def new_tree(self, example: Example) -> RolloutTree:
+        ids, text = self.env.prompt(example)
         if len(ids) >= self.env.max_seq_tokens:  # every rollout would end empty, reward 0
             raise ValueError(
                 f"the prompt of question {example.id!r} is {len(ids)} tokens, at or over "
@@ -150,12 +151,11 @@ class AgentLoop:
         gen = [list(c.token_ids[:r]) for c, r in zip(outs, room)]
         texts = [self.env.tokenizer.decode(g) for g in gen]
         # parsed up to the stop string: the token that completed it may carry more text
-        actions = [parse_turn(through_first_stop(x, self.env.stop)) for x in texts]
-        searching = [i for i, t in enumerate(live) if actions[i].kind == "search" and not cut[i]
-                     and t.tree.nodes[t.node].depth + 1 < self.env.max_turns]
-        queries = [actions[i].argument for i in searching]
+        actions = [self.env.parse(x) for x in texts]
+        calling = [i for i, t in enumerate(live) if actions[i].calls_tool and not cut[i]
+                   and t.tree.nodes[t.node].depth + 1 < self.env.max_turns]
         tic = time.perf_counter()
-        observations = dict(zip(searching, self.env.observe(queries)))
+        observations = dict(zip(calling, self.env.execute([actions[i] for i in calling])))
         self.retrieval_s += time.perf_counter() - tic
         still: list[_Live] = []
         for i, (t, c, g, a, text) in enumerate(zip(live, outs, gen, actions, texts)):
@@ -164,12 +164,12 @@ class AgentLoop:
                            cached_tokens=c.cached_tokens, tool_calls=int(i in observations))
             if cut[i]:
                 finish = "max_tokens"
-            elif a.kind != "search":
+            elif not a.calls_tool:
                 finish = a.kind  # "answer" or "invalid"
             elif i not in observations:
                 finish = "max_turns"
             elif len(t.ids) + len(g) + len(obs_ids) >= self.env.max_seq_tokens:
-                # the observation would not fit: the episode ends on the search and stays
+                # the observation would not fit: the episode ends on the call and stays
                 # within max_seq_tokens (tool_calls counts observations the trees hold)
                 finish, obs_ids, obs_text = "max_tokens", [], ""
                 spent.tool_calls = 0
@@ -183,7 +183,7 @@ class AgentLoop:
                 argument=a.argument if a.kind != "invalid" else a.error,
                 finished=bool(finish), finish_reason=finish)
             if finish:
-                node.reward, node.em, node.f1 = self.env.score(a, t.tree.answers)
+                node.reward, node.metrics = self.env.score(a, t.tree.answers)
                 if not math.isfinite(node.reward):
                     raise ValueError(
                         f"reward {node.reward} of tree {t.tree.tree_id} (question "
@@ -199,7 +199,7 @@ class AgentLoop:
         return still
 
 
-def sample_trees(engine: RolloutEngine, env: SearchEnvironment, examples: Sequence[QAExample],
+def sample_trees(engine: RolloutEngine, env: Task, examples: Sequence[Example],
                  n: int, sampling: SamplingConfig, seed: int,
                  any_rank: Callable[[list[bool]], list[bool]] | None = None
                  ) -> list[RolloutTree]:

@@ -47,13 +47,12 @@ class Node:
     policy_mask: list[int] = field(default_factory=list)
     text: str = ""  # the policy's text of this turn (the prompt's text for the root)
     observation: str = ""  # the environment's text appended after the action, if any
-    action: str = ""  # "search" | "answer" | "invalid" | "" (root)
-    argument: str = ""  # the search query or the answer
+    action: str = ""  # a tool's name ("search") | "answer" | "invalid" | "" (root)
+    argument: str = ""  # the tool call's input (a search query) or the answer
     finished: bool = False  # True on leaves: the episode ended at this node
     finish_reason: str = ""  # "answer" | "invalid" | "max_turns" | "max_tokens" | ""
     reward: float | None = None  # leaves only
-    em: float | None = None  # leaves only
-    f1: float | None = None  # leaves only
+    metrics: dict[str, float] | None = None  # leaves only: the task's (search QA: em, f1)
     children: list[int] = field(default_factory=list)
     n_leaves: int = 0
     value: float | None = None  # mean leaf reward below (bottom-up)
@@ -196,9 +195,21 @@ class RolloutTree:
     @classmethod
     def from_dict(cls, d: dict) -> RolloutTree:
         d = dict(d)
-        nodes = [Node(**n) for n in d.pop("nodes")]
+        nodes = [Node(**_node_fields(n)) for n in d.pop("nodes")]
         budget = Budget(**d.pop("budget"))
         return cls(nodes=nodes, budget=budget, **d)
+
+
+def _node_fields(n: dict) -> dict:
+    """A node's fields; a tree written before the task seam keeps a leaf's ``em`` and ``f1``
+    as fields of their own, read into ``metrics``."""
+    if "em" not in n and "f1" not in n:
+        return n
+    n = dict(n)
+    em, f1 = n.pop("em", None), n.pop("f1", None)
+    if n.get("metrics") is None and (em is not None or f1 is not None):
+        n["metrics"] = {"em": em, "f1": f1}
+    return n
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Validation rows: each finished trajectory's QA scores, sampled afresh on every pass.
+"""Validation rows: each finished trajectory's scores, sampled afresh on every pass.
 
 Lightning may build the validation loaders before training starts and reuse them, so the
 rollouts are not sampled when a loader is made: ``SampleOnIter`` has ``ValRollouts`` call
@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from trace_lightning.tasks.base import ANSWER, INVALID
 from trace_lightning.tree import Node, RolloutTree
 
 
@@ -54,16 +55,18 @@ class SampleOnIter(Sampler):
         return len(self.rows)
 
 
-def val_row(tree: RolloutTree, leaf: Node) -> dict:
-    """One trajectory's scores: EM, F1, reward, searches run, a malformed last turn.
+def val_row(tree: RolloutTree, leaf: Node, calls_metric: str) -> dict:
+    """One trajectory's scores: the task's metrics (search QA: EM, F1), the reward, the tool
+    calls it ran (named ``calls_metric``: ``searches``) and a malformed last turn.
 
-    A search the episode ended on (``max_turns``, or its observation would not fit) never
-    ran, and is not counted (as the rollout budget's ``tool_calls`` does not)."""
+    A tool call the episode ended on (``max_turns``, or its observation would not fit)
+    never ran, and is not counted (as the rollout budget's ``tool_calls`` does not)."""
     turns = tree.path(leaf.id)[1:]
-    return {"dataset": tree.dataset, "em": float(leaf.em or 0.0), "f1": float(leaf.f1 or 0.0),
-            "reward": float(leaf.reward or 0.0),
-            "searches": float(sum(n.action == "search" and not n.finished for n in turns)),
-            "malformed": float(leaf.action == "invalid")}
+    calls = sum(n.action not in (ANSWER, INVALID) and not n.finished for n in turns)
+    return {"dataset": tree.dataset,
+            **{k: float(v or 0.0) for k, v in (leaf.metrics or {}).items()},
+            "reward": float(leaf.reward or 0.0), calls_metric: float(calls),
+            "malformed": float(leaf.action == INVALID)}
 
 
 def collate_rows(rows: list[dict]) -> dict:

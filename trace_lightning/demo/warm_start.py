@@ -130,7 +130,7 @@ def gold_trees(env: SearchEnvironment, world: World, questions: Sequence[dict] |
                 finished=finished, finish_reason="answer" if finished else "")
             nodes[i] = node.id
             if finished:
-                node.reward, node.em, node.f1 = env.score(actions[i], trees[i].answers)
+                node.reward, node.metrics = env.score(actions[i], trees[i].answers)
                 trees[i].compute_values()
                 continue
             # The next turn's thought copies a fact about this search's entity: its document

@@ -1,0 +1,57 @@
+"""What the DataModule asks of the LightningModule: one typed interface.
+
+The LightningModule owns the policy and the shared success predictor (the design card);
+the DataModule owns the engine and the RL step. Each epoch the step needs four things of
+the module, and reaches them through this ``Learner`` protocol (``TraceModule`` implements
+it), never through attributes looked up on ``trainer.lightning_module``:
+
+- copy the policy's weights into the engine and check the copy (``sync_to_engine``);
+- predict success on the trees' prefixes while allocating (``predict_trees``) and say how
+  many nodes the predictor has learnt from (``predictor_nodes_seen``: the cold start);
+- train the predictor on the step's finished trees (``receive_step``);
+- say whether a checkpoint's predictor fits this run (``check_checkpoint_predictor``),
+  before the engine starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from trace_lightning.collect import RolloutStep
+    from trace_lightning.tree import RolloutTree
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """The policy and predictor's side of the RL step (see the module docstring)."""
+
+    predictor_nodes_seen: int
+
+    def sync_to_engine(self, engine, probe: list[list[int]], atol: float,
+                       any_failed: Callable[[bool], bool] | None = None) -> float:
+        """Load the policy's weights into ``engine``; the largest engine-vs-policy log-prob
+        difference on ``probe`` (raises above ``atol``)."""
+
+    def predict_trees(self, trees: list[RolloutTree]) -> None:
+        """Set ``node.prediction`` on every root and non-leaf turn of ``trees``."""
+
+    def receive_step(self, step: RolloutStep) -> None:
+        """Train the predictor on the step's finished trees."""
+
+    def check_checkpoint_predictor(self, state_dict: dict) -> None:
+        """A ValueError naming the settings when a checkpoint's predictor does not fit."""
+
+
+def learner_of(trainer) -> Learner:
+    """The trainer's LightningModule as a ``Learner``; a TypeError naming what it lacks."""
+    module = trainer.lightning_module
+    if not isinstance(module, Learner):
+        missing = [name for name in ("predictor_nodes_seen", "sync_to_engine", "predict_trees",
+                                     "receive_step", "check_checkpoint_predictor")
+                   if not hasattr(module, name)]
+        raise TypeError(f"TraceDataModule needs a LightningModule that implements "
+                        f"trace_lightning.learner.Learner (as TraceModule does); "
+                        f"{type(module).__name__} lacks {', '.join(missing)}")
+    return module

@@ -1,0 +1,140 @@
+"""The seam between TRACE and an agent's task.
+
+TRACE's allocation, predictor, tree advantages and update know nothing about what the agent
+does: they see rollout trees of token ids and rewards. What a task decides lives behind two
+small interfaces, and nothing else in the framework reads a task's specifics:
+
+- ``Task``: one agent's environment. It turns an ``Example`` into prompt token ids, names the
+  stop strings that end a turn, parses a generated turn into a tool call, a final answer or
+  an invalid turn (``Turn``), executes a turn's tool calls in one batch (observations as
+  token ids) and scores a finished trajectory: a scalar reward and a dict of per-task
+  metrics, which the tree stores and validation reports per dataset (``val/<set>/<metric>``).
+- ``TaskData``: where a task's examples and resources come from. Its constructor checks its
+  settings (before any work); it prepares what it needs on disk once per node (a generated
+  world, a warm-started policy, an index), loads the training and validation examples, and
+  builds the ``Task`` each set is rolled out with (a validation set may search its own
+  corpus).
+
+The agent loop (``AgentLoop``) runs any ``Task``; ``TraceDataModule`` takes any ``TaskData``
+(``--data.task``). ``docs/extending.md`` walks through adding one.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+# A turn's kind besides its task's tool names: the episode ends on either.
+ANSWER, INVALID = "answer", "invalid"
+
+
+@dataclass
+class Example:
+    """One prompt of a task: its text, every accepted answer (``answers[0]`` the gold one)
+    and the dataset it belongs to (a validation set's name in metric keys)."""
+
+    id: str
+    question: str
+    answers: list[str]
+    dataset: str = ""
+    supporting_titles: list[str] = field(default_factory=list)  # search QA; [] elsewhere
+
+
+@dataclass
+class Turn:
+    """One generated turn, parsed. ``kind`` is a tool's name (a call whose input is
+    ``argument``), ``"answer"`` (a final answer, ``argument``) or ``"invalid"`` (``error``
+    says why); the episode ends on the last two."""
+
+    kind: str
+    argument: str = ""
+    error: str = ""
+
+    @property
+    def calls_tool(self) -> bool:
+        return self.kind not in (ANSWER, INVALID)
+
+
+@runtime_checkable
+class Task(Protocol):
+    """One agent's environment (see the module docstring).
+
+    Attributes:
+        tokenizer: the policy's tokenizer (token ids in, text out).
+        stop: strings that end a turn (the engines stop on them).
+        max_turns: turns before an episode is cut (a tool call on the last turn ends it).
+        max_seq_tokens: a trajectory's tokens before it is cut.
+        calls_metric: the name under which validation counts a trajectory's tool calls
+            (``searches`` for search QA).
+    """
+
+    tokenizer: Any
+    stop: Sequence[str]
+    max_turns: int
+    max_seq_tokens: int
+    calls_metric: str
+
+    def prompt(self, example: Example) -> tuple[list[int], str]:
+        """Token ids and text of the root prompt of ``example``."""
+
+    def parse(self, text: str) -> Turn:
+        """One generated turn (cut at its first stop string), parsed; never raises."""
+
+    def execute(self, calls: Sequence[Turn]) -> list[tuple[list[int], str]]:
+        """The observation of each tool call, as token ids and text, in one batch; a call
+        that fails (a bad expression, a query the tool refuses) gets an error observation,
+        never an exception for the step."""
+
+    def score(self, final: Turn, answers: Sequence[str]) -> tuple[float, dict[str, float]]:
+        """The reward of a trajectory that ended on ``final`` (0 unless it answered) and its
+        per-task metrics (search QA: ``{"em", "f1"}``)."""
+
+
+class TaskData(abc.ABC):
+    """Where a task's examples and resources come from (see the module docstring): a task
+    package subclasses it, and ``--data.task`` names the subclass (``class_path``) and its
+    constructor's typed arguments (``init_args``), which the constructor checks: a setting
+    it cannot use is one clear error before any work.
+
+    Attributes (set by the subclass):
+        train_examples: the training prompts (loaded by ``setup`` when fitting).
+        val_examples: validation set name -> its prompts (``dataset`` set to the name).
+        metric: the validation metric summaries and the progress bar show (``em``).
+        max_seq_tokens: a trajectory's tokens before it is cut (the engine's context and
+            the micro-batches must hold one).
+    """
+
+    train_examples: list[Example]
+    val_examples: dict[str, list[Example]]
+    metric: str
+    max_seq_tokens: int
+
+    @abc.abstractmethod
+    def prepare(self, policy_path: str, fitting: bool) -> None:
+        """Once per node, before ``setup``: the files it names checked, then what the task
+        builds or downloads (a generated world and its warm-started policy, which must then
+        be ``policy_path``; an index)."""
+
+    @abc.abstractmethod
+    def setup(self, fitting: bool, train_limit: int | None, processes: int,
+              prompts_needed: int) -> None:
+        """On every process: read the examples (the training ones when ``fitting``, at least
+        ``prompts_needed``; each validation set at least ``processes``) and open the
+        resources (indexes, servers), failing before the engine starts."""
+
+    @abc.abstractmethod
+    def environment(self, tokenizer, val_set: str | None = None) -> Task:
+        """The ``Task`` the training prompts (``val_set`` None) or a validation set roll out
+        with."""
+
+
+def through_first_stop(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to the end of its first stop string (all of it when there is none).
+
+    Engines stop on the token that completes a stop string and keep that whole token, so a
+    byte-level BPE turn can end ``</answer>.`` (``>.`` one token); the turn is what came
+    before, and the rest of that token is not text after the action."""
+    ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
+    return text[: min(ends)] if ends else text
