@@ -985,7 +985,7 @@ def test_an_engine_failing_to_start_on_one_process_stops_every_process(demo_dir,
 
     from trace_lightning.collectives import RankFailed
     from trace_lightning.data import TraceDataModule
-    from trace_lightning.data_config import EngineConfig
+    from trace_lightning.engines.config import EngineConfig
 
     def out_of_memory(*a, **k):
         raise RuntimeError("CUDA out of memory (simulated: no GPU here)")
@@ -1030,7 +1030,7 @@ def test_an_engine_failing_to_start_on_one_process_stops_every_process(demo_dir,
 def test_gpu_memory_vllm_would_refuse_is_named_before_it_starts():
     """vLLM takes ``gpu_memory_utilization`` of the GPU's total memory and refuses to start
     with less free; the check names the flag, what is free, and the most it could take."""
-    from trace_lightning.data_config import EngineConfig
+    from trace_lightning.engines.config import EngineConfig
     from trace_lightning.engines.vllm_engine import check_gpu_memory
 
     gib = 2**30
@@ -1049,7 +1049,7 @@ def test_gpu_memory_vllm_would_refuse_is_named_before_it_starts():
 
 def test_validate_with_a_missing_checkpoint_path_fails_before_the_engine(demo_dir, tmp_path,
                                                                          monkeypatch):
-    from trace_lightning.data_config import EngineConfig
+    from trace_lightning.engines.config import EngineConfig
 
     def no_engine(*a, **k):
         raise AssertionError("the engine started before the checkpoint was checked")

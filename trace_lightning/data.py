@@ -30,7 +30,8 @@ from trace_lightning.allocators import Allocator
 from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
 from trace_lightning.collectives import (all_gather_list, any_rank, fail_together, from_rank0,
                                          raise_together)
-from trace_lightning.data_config import DemoConfig, EngineConfig, EnvConfig, EvalSet
+from trace_lightning.data_config import DemoConfig, EnvConfig, EvalSet
+from trace_lightning.engines.config import EngineConfig
 from trace_lightning.engines.base import SamplingConfig
 from trace_lightning.export import checkpoint_meta
 from trace_lightning.hub import local_model_dir
