@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+import references
 from trace_lightning import advantage as adv
 from trace_lightning.tree import RolloutTree
 
@@ -193,12 +194,13 @@ def test_loop_matches_vectorised(norm_by_std):
     rng = random.Random(0)
     for _ in range(20):
         trees = random_trees(rng, rng.randint(1, 6))
-        for fast, slow in [(adv.grpo, adv.grpo_loop), (adv.tree_grpo, adv.tree_grpo_loop),
-                           (adv.treepo, adv.treepo_loop)]:
+        for fast, slow in [(adv.grpo, references.grpo_loop),
+                           (adv.tree_grpo, references.tree_grpo_loop),
+                           (adv.treepo, references.treepo_loop)]:
             a, b = fast(trees, norm_by_std), slow(trees, norm_by_std)
             assert a.keys() == b.keys()
             np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-9, atol=1e-9)
-        a, b = adv.segment(trees), adv.segment_loop(trees)
+        a, b = adv.segment(trees), references.segment_loop(trees)
         assert a.keys() == b.keys()
         for k in a:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-9, atol=1e-9)

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from references import spread_prefix_budget
 from trace_lightning.allocation import (
     draw_random,
     beta_moment,
@@ -21,7 +22,6 @@ from trace_lightning.allocation import (
     solve_root_values,
     solve_roots,
     spendable_roots,
-    spread_prefix_budget,
 )
 
 # ---- brute force (tests only) -------------------------------------------------------------

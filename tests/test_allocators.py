@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trace_lightning.allocators import (
-    KINDS,
-    Allocator,
-    PrefixPlan,
-    bare_reward,
-    planned_leaves,
-)
+from references import PrefixPlan, plan_prefixes, planned_leaves, prefix_plan, spread_prefix_budget
+from trace_lightning.allocators import KINDS, Allocator, bare_reward
 from trace_lightning.tree import RolloutTree
 
 
@@ -53,7 +48,7 @@ def test_every_kind_spends_the_same_leaves(kind, explore):
     assert alloc.leaves_per_step == 8 * (1 + 2) == 24
     plan = alloc.plan_roots(20, predictions(20), predictor_nodes_seen=10**6)
     trees = trees_for(plan)
-    prefixes = alloc.plan_prefixes(trees, cold_start=plan.cold_start)
+    prefixes = plan_prefixes(alloc, trees, cold_start=plan.cold_start)
     assert planned_leaves(plan, prefixes) == 24
     assert prefixes.unspent == 0
     assert all(m == 0 or 2 <= m <= 6 for m in plan.rollouts)
@@ -70,7 +65,7 @@ def test_uniform_and_random_tree_schedules():
     assert not any(plan.random_picks) and not plan.cold_start
     # random_tree: each prompt gets m_i N = 8 continuations over its 2 * 4 prefixes
     trees = trees_for(plan)
-    out = allocator("random_tree").plan_prefixes(trees)
+    out = plan_prefixes(allocator("random_tree"), trees)
     for ti in range(2):
         assert sum(c for (t, _), c in out.continuations.items() if t == ti) == 8
 
@@ -82,7 +77,7 @@ def test_prompt_kind_filters_by_prediction():
     plan = alloc.plan_roots(7, [0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.45], predictor_nodes_seen=0)
     assert plan.rollouts[0] == plan.rollouts[1] == 0
     assert sum(plan.rollouts) == 24
-    assert alloc.plan_prefixes(trees_for(plan)) == PrefixPlan()
+    assert plan_prefixes(alloc, trees_for(plan)) == PrefixPlan()
 
 
 def test_prediction_counts_reach_the_root_solver():
@@ -112,7 +107,7 @@ def test_cold_start_falls_back_to_uniform():
     for t in trees:
         for n in t.prefixes():
             n.prediction = None  # random prefixes do not read predictions
-    assert planned_leaves(plan, alloc.plan_prefixes(trees, cold_start=True)) == 24
+    assert planned_leaves(plan, plan_prefixes(alloc, trees, cold_start=True)) == 24
     # the oracle never cold-starts
     assert not allocator("oracle", cold_start_nodes=100).plan_roots(
         10, predictions(10), 0).cold_start
@@ -144,7 +139,7 @@ def test_exploration_picks_agree_across_ranks_after_rank_local_random_prefixes()
              for _ in range(2)]
     for alloc, n_trees in zip(ranks, (1, 2)):  # e.g. 3 opened prompts split rank 0::2, 1::2
         cold = alloc.plan_roots(30, None, predictor_nodes_seen=0)
-        alloc.plan_prefixes(trees_for(cold)[:n_trees], cold_start=True)
+        plan_prefixes(alloc, trees_for(cold)[:n_trees], cold_start=True)
     warm = [a.plan_roots(30, predictions(30), predictor_nodes_seen=100) for a in ranks]
     assert warm[0].random_picks == warm[1].random_picks and any(warm[0].random_picks)
 
@@ -154,11 +149,11 @@ def test_state_dict_round_trip_gives_the_same_next_plan():
     alloc.plan_roots(30, predictions(30))
     state = alloc.state_dict()
     first = alloc.plan_roots(30, predictions(30))
-    first_prefixes = alloc.plan_prefixes(trees_for(first), cold_start=True)  # RNG draws too
+    first_prefixes = plan_prefixes(alloc, trees_for(first), cold_start=True)  # RNG draws too
     fresh = allocator("trace", explore_fraction=0.5, seed=999)
     fresh.load_state_dict(state)
     assert fresh.plan_roots(30, predictions(30)) == first
-    assert fresh.plan_prefixes(trees_for(first), cold_start=True) == first_prefixes
+    assert plan_prefixes(fresh, trees_for(first), cold_start=True) == first_prefixes
 
 
 def test_random_prefixes_are_seeded_by_step_and_rank():
@@ -168,32 +163,32 @@ def test_random_prefixes_are_seeded_by_step_and_rank():
     plan = allocator("random_tree").plan_roots(20, None)
     unbroken, resumed = allocator("random_tree", seed=3), allocator("random_tree", seed=3)
     unbroken.start_step(0, rank=1)
-    unbroken.plan_prefixes(trees_for(plan))  # step 0 moves this rank's RNG
+    plan_prefixes(unbroken, trees_for(plan))  # step 0 moves this rank's RNG
     unbroken.start_step(1, rank=1)
-    want = unbroken.plan_prefixes(trees_for(plan))
+    want = plan_prefixes(unbroken, trees_for(plan))
     resumed.start_step(1, rank=1)  # fresh RNG, as after loading rank 0's state
-    assert resumed.plan_prefixes(trees_for(plan)) == want
+    assert plan_prefixes(resumed, trees_for(plan)) == want
     for step, rank in [(1, 0), (0, 1)]:  # other ranks and other steps draw otherwise
         other = allocator("random_tree", seed=3)
         other.start_step(step, rank)
-        assert other.plan_prefixes(trees_for(plan)) != want
+        assert plan_prefixes(other, trees_for(plan)) != want
 
 
 def test_single_turn_prompt_returns_its_budget_to_the_pool():
     alloc = allocator("trace")
     # prompt 0: two single-turn rollouts (no prefixes); prompt 1: two 3-turn rollouts
     trees = [make_tree("a", [(1, 0.0), (1, 1.0)]), make_tree("b", [(3, 0.0), (3, 1.0)])]
-    out = alloc.plan_prefixes(trees)
+    out = plan_prefixes(alloc, trees)
     assert out.pool_returned == 2 * 2  # m_0 N = 4
     assert out.unspent == 0
     assert all(ti == 1 for ti, _ in out.continuations)
     assert out.leaves == (2 + 2) * 2
     # random_tree pools the same way
-    out = allocator("random_tree").plan_prefixes(
-        [make_tree("a", [(1, 0.0)] * 4), make_tree("b", [(2, 0.0)] * 4)])
+    out = plan_prefixes(allocator("random_tree"),
+                        [make_tree("a", [(1, 0.0)] * 4), make_tree("b", [(2, 0.0)] * 4)])
     assert out.pool_returned == 8 and out.leaves == 16 and out.unspent == 0
     # nothing to branch from anywhere: the whole budget is reported unspent
-    out = alloc.plan_prefixes([make_tree("a", [(1, 0.0), (1, 1.0)])])
+    out = plan_prefixes(alloc, [make_tree("a", [(1, 0.0), (1, 1.0)])])
     assert out.leaves == 0 and out.unspent == 4 and out.pool_returned == 4
 
 
@@ -208,7 +203,7 @@ def test_trace_branches_failures_where_success_looked_likely():
     for n in t.prefixes():
         n.prediction = {0: 0.9, 1: 0.1, 2: 0.9}[n.rollout]
     assert [bare_reward(t, j) for j in range(3)] == [0.0, 0.0, 1.0]
-    out = alloc.plan_prefixes([t])
+    out = plan_prefixes(alloc, [t])
     assert {t.nodes[i].rollout: c for (_, i), c in out.continuations.items()} == {0: 1, 1: 1, 2: 1}
     # two failed rollouts, p = 0.2 vs 0.8 (q = 0.8 vs 0.2, first gains 0.2 vs 0.8), budget 2:
     # 0.8 (high p), then 0.2 (low p, first unit) beats 0.16 (high p, second unit) -> [1, 1]
@@ -216,7 +211,7 @@ def test_trace_branches_failures_where_success_looked_likely():
     two = make_tree("y", [(2, 0.0), (2, 0.0)])
     for n in two.prefixes():
         n.prediction = {0: 0.2, 1: 0.8}[n.rollout]
-    out = alloc.plan_prefixes([two])
+    out = plan_prefixes(alloc, [two])
     assert {two.nodes[i].rollout: c for (_, i), c in out.continuations.items()} == {0: 1, 1: 1}
 
 
@@ -238,17 +233,16 @@ def random_trees(rng, n: int) -> list[RolloutTree]:
 @pytest.mark.parametrize("cap", [None, 1])
 def test_planning_tree_by_tree_gives_the_one_shot_counts(kind, cap):
     """The per-prompt schedule (``plan`` on each turn's finished trees, in any order and
-    grouping; the pool once all are planned) gives exactly ``plan_prefixes``' counts over all
-    trees at once, ties included; for trace those are ``spread_prefix_budget``'s, and for
-    random_tree the draws do not depend on the finish order either."""
+    grouping; the pool once all are planned) gives exactly the one-shot ``plan_prefixes``'
+    counts over all trees at once (``references``), ties included; for trace those are
+    ``spread_prefix_budget``'s, and for random_tree the draws do not depend on the finish
+    order either."""
     import numpy as np
-
-    from trace_lightning.allocation import spread_prefix_budget
 
     for seed in range(30):
         rng = np.random.default_rng(seed)
         trees = random_trees(rng, 6)
-        want = allocator(kind, max_continuations_per_prefix=cap).plan_prefixes(trees)
+        want = plan_prefixes(allocator(kind, max_continuations_per_prefix=cap), trees)
         per_node = {(t.tree_id, n.id): n.continuations for t in trees for n in t.prefixes()}
         for n in (n for t in trees for n in t.prefixes()):
             n.continuations = 0
@@ -285,14 +279,14 @@ def test_tied_prefixes_take_the_pool_in_step_order_whatever_finishes_first():
         return make_tree("a", [(1, 0.0)]), make_tree("b", [(2, 1.0)]), make_tree("c", [(2, 1.0)])
 
     a, b, c = step()
-    want = allocator("trace", continuations=1).plan_prefixes([a, b, c]).continuations
+    want = plan_prefixes(allocator("trace", continuations=1), [a, b, c]).continuations
     assert want == {(1, 1): 2, (2, 1): 1}
     a, b, c = step()
     planner = allocator("trace", continuations=1).prefix_planner([a, b, c])
     planner.plan([c])
     planner.plan([a, b])
     assert planner.spend_pool() == [(b, 1, 1)]
-    assert planner.result().continuations == want
+    assert prefix_plan(planner).continuations == want
 
 
 def test_the_pool_is_spent_once_after_every_tree():
@@ -320,7 +314,7 @@ def test_unfinished_bare_rollout_is_rejected():
     t = make_tree("v", [(2, 0.0), (2, 0.0)])
     t.nodes[t.bare_rollouts()[0]].children.clear()  # chain cut before its leaf
     with pytest.raises(ValueError, match="stops at unfinished node"):
-        allocator("trace").plan_prefixes([t])
+        plan_prefixes(allocator("trace"), [t])
 
 
 def test_trace_prefers_high_p_failure_with_one_unit():
@@ -329,20 +323,20 @@ def test_trace_prefers_high_p_failure_with_one_unit():
     alloc = allocator("trace", continuations=1, roots=2, group_size=2)
     t = make_tree("u", [(3, 0.0)])
     t.nodes[1].prediction, t.nodes[2].prediction = 0.3, 0.9
-    out = alloc.plan_prefixes([t])
+    out = plan_prefixes(alloc, [t])
     assert out.continuations == {(0, 2): 1}
     assert t.nodes[2].continuations == 1 and t.nodes[1].continuations == 0
     # and a lucky success: turn 1 predicted 0.2 (q = 0.2, gain 0.8) beats turn 2 at 0.7 (0.3)
     t = make_tree("s", [(3, 1.0)])
     t.nodes[1].prediction, t.nodes[2].prediction = 0.2, 0.7
-    assert alloc.plan_prefixes([t]).continuations == {(0, 1): 1}
+    assert plan_prefixes(alloc, [t]).continuations == {(0, 1): 1}
 
 
 def test_trace_needs_predictions_on_prefixes():
     t = make_tree("p", [(2, 0.0), (2, 1.0)])
     t.nodes[1].prediction = None
     with pytest.raises(ValueError, match="no prediction"):
-        allocator("trace").plan_prefixes([t])
+        plan_prefixes(allocator("trace"), [t])
 
 
 @pytest.mark.parametrize("kw, match", [

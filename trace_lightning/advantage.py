@@ -40,13 +40,12 @@ shapes (fixed branching per depth); here groups follow whatever shape TRACE's al
 produced, with the group-of-one rule above. Advantages are outcome-only: no per-token
 discount, no KL-in-reward.
 
-Each scalar kind has a vectorised implementation (numpy ``bincount`` over group ids, used by
-default) and a plain-loop reference (``*_loop``); the tests check they agree.
+Each scalar kind is vectorised (numpy ``bincount`` over group ids); the tests check every
+kind, ``segment`` included, against plain-loop references (``tests/references.py``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Literal, get_args
 
@@ -118,17 +117,6 @@ def normalize_groups(rewards: np.ndarray, groups: np.ndarray, norm_by_std: bool 
     return out
 
 
-def _normalize_one(values: list[float], r: float, norm_by_std: bool, eps: float) -> float:
-    """Loop reference: ``r`` normalised within ``values`` (which contains ``r``)."""
-    n = len(values)
-    if n == 1:
-        mean, std = 0.0, 1.0
-    else:
-        mean = sum(values) / n
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return (r - mean) / (std + eps) if norm_by_std else r - mean
-
-
 # ---- vectorised scalar kinds ----------------------------------------------------------------
 def _leaf_table(trees: Sequence[RolloutTree]):
     keys: list[LeafKey] = []
@@ -194,62 +182,6 @@ def treepo(trees: Sequence[RolloutTree], norm_by_std: bool = True,
     return dict(zip(keys, adv.tolist()))
 
 
-# ---- loop references ------------------------------------------------------------------------
-def _leaves_below(tree: RolloutTree, node_id: int) -> list[float]:
-    out, stack = [], [node_id]
-    while stack:
-        n = tree.nodes[stack.pop()]
-        if n.finished:
-            out.append(float(n.reward))
-        stack.extend(n.children)
-    return out
-
-
-def grpo_loop(trees: Sequence[RolloutTree], norm_by_std: bool = True,
-              eps: float = EPS) -> dict[LeafKey, float]:
-    """Reference for :func:`grpo` (plain loops)."""
-    _check_trees(trees)
-    out = {}
-    for t in trees:
-        group = [float(n.reward) for n in t.leaves()]
-        for n in t.leaves():
-            out[(t.tree_id, n.id)] = _normalize_one(group, float(n.reward), norm_by_std, eps)
-    return out
-
-
-def tree_grpo_loop(trees: Sequence[RolloutTree], norm_by_std: bool = True,
-                   eps: float = EPS) -> dict[LeafKey, float]:
-    """Reference for :func:`tree_grpo` (plain loops)."""
-    _check_trees(trees)
-    out = {}
-    for t in trees:
-        leaves = t.leaves()
-        prompt = [float(n.reward) for n in leaves]
-        for n in leaves:
-            sub = [float(m.reward) for m in leaves if m.rollout == n.rollout]
-            r = float(n.reward)
-            out[(t.tree_id, n.id)] = _normalize_one(prompt, r, norm_by_std, eps) \
-                + _normalize_one(sub, r, norm_by_std, eps)
-    return out
-
-
-def treepo_loop(trees: Sequence[RolloutTree], norm_by_std: bool = True,
-                eps: float = EPS) -> dict[LeafKey, float]:
-    """Reference for :func:`treepo` (plain loops, leaves found by walking down)."""
-    _check_trees(trees)
-    out = {}
-    for t in trees:
-        for leaf in t.leaves():
-            r = float(leaf.reward)
-            terms = []
-            for anc in t.path(leaf.id)[:-1]:
-                below = _leaves_below(t, anc.id)
-                if anc.parent is None or len(below) >= 2:
-                    terms.append(_normalize_one(below, r, norm_by_std, eps))
-            out[(t.tree_id, leaf.id)] = sum(terms) / len(terms)
-    return out
-
-
 # ---- per-token form -------------------------------------------------------------------------
 def _spread(tree: RolloutTree, leaf_id: int, per_node: dict[int, float]) -> list[float]:
     """Per-token list along the root->leaf path: ``per_node[node]`` on that node's policy tokens."""
@@ -275,18 +207,6 @@ def segment(trees: Sequence[RolloutTree]) -> dict[LeafKey, list[float]]:
             mask = np.fromiter((m for n in path for m in n.policy_mask), dtype=np.float64,
                                count=int(lengths.sum()))  # (T,)
             out[(t.tree_id, leaf.id)] = (per_token * mask).tolist()
-    return out
-
-
-def segment_loop(trees: Sequence[RolloutTree]) -> dict[LeafKey, list[float]]:
-    """Reference for :func:`segment` (plain loops)."""
-    _check_trees(trees)
-    out = {}
-    for t in trees:
-        for leaf in t.leaves():
-            per_node = {n.id: float(leaf.reward) - t.nodes[n.parent].value
-                        for n in t.path(leaf.id)[1:]}
-            out[(t.tree_id, leaf.id)] = _spread(t, leaf.id, per_node)
     return out
 
 

@@ -39,8 +39,10 @@ Stage 2, prefixes. A prefix of a bare rollout with observed reward ``r`` and pre
 success ``p`` repeats the observed outcome with probability ``q = r p + (1-r)(1-p)``; ``c``
 continuations from it flip the outcome at least once with probability ``1 - q^c``, marginal
 gain ``q^c (1-q)``, non-increasing in c, so the greedy on marginal gain is exact
-(``solve_prefixes``). ``spread_prefix_budget`` runs it per prompt and spends whatever a prompt
-cannot use (no prefixes, or every prefix capped) on the other prompts' prefixes.
+(``solve_prefixes``). ``allocators.PrefixPlanner`` runs it per prompt (phase 1) and then, with
+``spend_pool`` (phase 2), spends whatever a prompt cannot use (no prefixes, or every prefix
+capped) on the other prompts' prefixes; since gains are non-increasing per prefix, phase 2 is
+the exact optimum given phase 1.
 
 Ties in the greedy solvers (``solve_roots``, ``solve_prefixes``) are broken
 deterministically: equal gains go to the item with fewer units so far, then to the lower
@@ -56,7 +58,6 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -348,47 +349,6 @@ def solve_prefixes(r: Sequence[float], p: Sequence[float], budget: int,
         raise ValueError(f"cap ({cap}) must be >= 1 or None")
     q = [repeat_prob(rk, pk) for rk, pk in zip(r, p)]
     return _greedy_continuations(q, [0] * len(q), budget, cap)
-
-
-@dataclass
-class PrefixSpread:
-    """Continuations per prompt and prefix, and how the shared pool was used."""
-
-    counts: list[list[int]]  # counts[i][k]: continuations from prompt i's k-th prefix
-    pool_returned: int  # budget prompts could not use themselves (logged as alloc/pool_returned)
-    unspent: int  # of that, what no prefix anywhere could take (0 unless every prefix is capped)
-
-
-def spread_prefix_budget(per_prompt_prefixes: Sequence[Sequence[tuple[float, float]]],
-                         per_prompt_budget: Sequence[int], cap: int | None = None) -> PrefixSpread:
-    """Per prompt ``solve_prefixes``, then spend the returned budget across all prompts.
-
-    Args:
-        per_prompt_prefixes: per prompt, one ``(r, p)`` pair per non-leaf prefix.
-        per_prompt_budget: per prompt, its continuation budget (``m_i N``).
-        cap: most continuations per prefix (None: no limit).
-
-    The one-shot reference of what ``allocators.PrefixPlanner`` computes prompt by prompt
-    (tested equal). Phase 1 is per prompt (so a prompt can start its continuations as soon as
-    its own bare rollouts are done). Whatever a prompt cannot spend (no
-    prefixes: all rollouts single-turn; or all capped) goes to a pool, which phase 2
-    (``spend_pool``) spends with the same greedy over every prompt's prefixes, starting from
-    the phase-1 counts. Since gains are non-increasing per prefix, phase 2 is the exact
-    optimum given phase 1. Total spent is ``sum(per_prompt_budget) - unspent``, and
-    ``unspent == 0`` whenever the prefixes can hold the budget (any prefix at all, without a
-    cap).
-    """
-    if len(per_prompt_prefixes) != len(per_prompt_budget):
-        raise ValueError(f"one budget per prompt expected (got {len(per_prompt_prefixes)} "
-                         f"prompts and {len(per_prompt_budget)} budgets)")
-    counts: list[list[int]] = []
-    pool = 0
-    for prefixes, budget in zip(per_prompt_prefixes, per_prompt_budget):
-        c = solve_prefixes([x[0] for x in prefixes], [x[1] for x in prefixes], budget, cap)
-        pool += budget - sum(c)
-        counts.append(c)
-    counts, unspent = spend_pool(per_prompt_prefixes, counts, pool, cap)
-    return PrefixSpread(counts=counts, pool_returned=pool, unspent=unspent)
 
 
 def spend_pool(per_prompt_prefixes: Sequence[Sequence[tuple[float, float]]],

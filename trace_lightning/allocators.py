@@ -17,7 +17,7 @@ budget ``(M, N)``)::
 
 (``G = group_size``.) Budget a prompt cannot use for continuations (all its rollouts were
 single-turn, or its prefixes are capped) is pooled and spent on other prompts' prefixes; see
-``allocation.spread_prefix_budget``.
+``PrefixPlanner``.
 
 Exploration (``prompt``, ``trace``, ``oracle``): ``floor(explore_fraction * B / G)`` prompts
 (B the root budget) get G rollouts each, drawn by the allocator's RNG among the prompts the
@@ -36,15 +36,13 @@ How ``collect.collect_step`` calls it, once per step::
     # once every tree is planned: the pool of budget trees could not use
     for tree, node, k in planner.spend_pool(): ...
     # planner.unspent: budget no prefix could take, sampled as extra bare rollouts
-
-``plan_prefixes(trees)`` does both phases at once over finished trees (same counts).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -78,24 +76,6 @@ class RootPlan:
         return sum(self.rollouts)
 
 
-@dataclass
-class PrefixPlan:
-    """Stage 2: continuations per prefix, keyed ``(tree index, node id)``; zeros omitted."""
-
-    continuations: dict[tuple[int, int], int] = field(default_factory=dict)
-    pool_returned: int = 0  # budget prompts could not use themselves (alloc/pool_returned)
-    unspent: int = 0  # budget no prefix could take (every prefix capped, or none at all)
-
-    @property
-    def leaves(self) -> int:
-        return sum(self.continuations.values())
-
-
-def planned_leaves(roots: RootPlan, prefixes: PrefixPlan | None = None) -> int:
-    """Leaves the step will produce: one per bare rollout plus one per continuation."""
-    return roots.leaves + (prefixes.leaves if prefixes is not None else 0)
-
-
 def bare_reward(tree: RolloutTree, rollout: int) -> float:
     """The terminal reward of bare rollout ``rollout``'s own chain.
 
@@ -111,11 +91,12 @@ def bare_reward(tree: RolloutTree, rollout: int) -> float:
     while not node.finished:
         if not node.children:
             raise ValueError(f"bare rollout {rollout} of tree {tree.tree_id} stops at unfinished "
-                             f"node {node.id}; finish the bare rollouts before plan_prefixes")
+                             f"node {node.id}; finish the bare rollouts before planning "
+                             f"continuations")
         node = tree.nodes[node.children[0]]
     if node.reward is None:
         raise ValueError(f"leaf {node.id} of tree {tree.tree_id} has no reward; score the bare "
-                         f"rollouts before plan_prefixes")
+                         f"rollouts before planning continuations")
     return float(node.reward)
 
 
@@ -319,26 +300,6 @@ class Allocator:
         return RootPlan(rollouts=rollouts, random_picks=random_picks, cold_start=False)
 
     # ---- stage 2 ---------------------------------------------------------------------------
-    def plan_prefixes(self, trees: Sequence[RolloutTree], cold_start: bool = False) -> PrefixPlan:
-        """Continuations per non-leaf prefix of every tree at once; sets ``node.continuations``.
-
-        The one-call form of ``prefix_planner``: ``plan(trees)`` then ``spend_pool()``, the
-        same counts as the incremental schedule ``collect_step`` runs. Call after the bare
-        rollouts are finished and scored and (``trace``, ``oracle``) every prefix's
-        ``node.prediction`` is set, before any continuation is added. Kinds without branching
-        return an empty plan.
-
-        Args:
-            trees: the opened prompts' trees (keys of the result index this list).
-            cold_start: the root plan's ``cold_start`` (``trace`` then branches at random).
-        """
-        if self.kind not in _BRANCHING:
-            return PrefixPlan()
-        planner = self.prefix_planner(trees, cold_start)
-        planner.plan(trees)
-        planner.spend_pool()
-        return planner.result()
-
     def prefix_planner(self, trees: Sequence[RolloutTree],
                        cold_start: bool = False) -> PrefixPlanner:
         """One step's stage 2 over ``trees`` (in step order), tree by tree (kinds with
@@ -376,8 +337,8 @@ class PrefixPlanner:
     start), so it needs nothing of the trees still running. What a tree cannot use goes to
     the pool. ``spend_pool()``, once every tree is planned, is phase 2 (``spend_pool``):
     the pool over every tree's prefixes, in the step's order of trees. The counts do not
-    depend on the order trees finish in: they are ``spread_prefix_budget``'s over the trees
-    in step order (phase 1 is per tree, and phase 2 starts from it), ties included, and
+    depend on the order trees finish in: they are those of planning every tree at once, in
+    step order (phase 1 is per tree, and phase 2 starts from it), ties included, and
     each tree's random draws come from its own generator (seeded from the allocator's RNG,
     one draw per step, and the tree's position).
 
@@ -463,15 +424,6 @@ class PrefixPlanner:
                     out.append((t, node.id, c - c0))
         self._counts = new
         return out
-
-    def result(self) -> PrefixPlan:
-        """The counts so far as a ``PrefixPlan`` keyed ``(index in step order, node id)``."""
-        plan = PrefixPlan(pool_returned=self.pool_returned, unspent=self.unspent)
-        for ti, (nodes, counts) in enumerate(zip(self._prefixes, self._counts)):
-            for node, c in zip(nodes or [], counts):
-                if c:
-                    plan.continuations[(ti, node.id)] = c
-        return plan
 
     def _pairs_of(self, t: RolloutTree, nodes: list[Node]) -> list[tuple[float, float]]:
         """``(r, p)`` per prefix: its bare rollout's reward and its prediction."""
