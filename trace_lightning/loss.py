@@ -44,7 +44,9 @@ built: with Qwen3's 151,936-token vocabulary, 8 x 2048 tokens of float32 logits 
 copy, and the plain path (``chunk_elements=None``, kept as the reference) builds several.
 ``masked_token_logprobs`` goes one step further: from the final hidden states it runs the LM
 head only on the positions whose next token is trained (policy tokens), so neither the logits
-nor their gradient exist anywhere else.
+nor their gradient exist anywhere else. ``selected_token_logprobs`` is its last step, the
+log-probs of those rows put back in place; ``TraceModule`` calls it on the rows its LM head
+ran on inside the model's forward.
 """
 
 from __future__ import annotations
@@ -215,26 +217,40 @@ def masked_token_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], t
         with_entropy, temperature, chunk_elements: as in ``token_logprobs``/``row_logprobs``.
 
     Returns:
-        ``logp (B, T)`` float32 and ``entropy (B, T)`` or ``None``, 0 off the mask.
+        ``logp (B, T)`` float32 (float64 for a float64 head) and ``entropy (B, T)`` or
+        ``None``, 0 off the mask.
     """
-    sel = predicting_rows(mask)  # (B, T-1)
-    lp, ent = row_logprobs(head(hidden[:, :-1][sel]), input_ids[:, 1:][sel],
-                           with_entropy=with_entropy, temperature=temperature,
-                           chunk_elements=chunk_elements)  # (M,) each
-    return rows_to_tokens(lp, sel), (rows_to_tokens(ent, sel) if ent is not None else None)
+    b, s = mask[:, 1:].bool().nonzero(as_tuple=True)  # (M,) each: row s predicts token s + 1
+    return selected_token_logprobs(head(hidden[b, s]), input_ids, b, s + 1,
+                                   with_entropy=with_entropy, temperature=temperature,
+                                   chunk_elements=chunk_elements)
 
 
-def predicting_rows(mask: torch.Tensor) -> torch.Tensor:
-    """``(B, T-1)`` bool: position ``s`` is selected when its next token (``s + 1``) is a
-    mask token, i.e. the rows of hidden states whose logits ``masked_token_logprobs`` needs."""
-    return mask[:, 1:].bool()
+def selected_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, b: torch.Tensor,
+                            t: torch.Tensor, with_entropy: bool = False,
+                            temperature: float = 1.0, chunk_elements: int = CHUNK_ELEMENTS,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the tokens ``input_ids[b, t]`` from the logits of the rows predicting them,
+    in place in ``(B, T)`` (0 elsewhere): the LM head ran on those rows only.
 
+    Args:
+        logits: ``(M, V)``; row ``m`` predicts token ``input_ids[b[m], t[m]]``.
+        input_ids: ``(B, T)`` token ids.
+        b, t: ``(M,)`` each, the batch row and position of each predicted token.
+        with_entropy, temperature, chunk_elements: as in ``row_logprobs``.
 
-def rows_to_tokens(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-    """Per-row values ``(M,)`` of the ``sel`` rows back to ``(B, T)`` aligned with
-    ``input_ids`` (row ``s`` is token ``s + 1``'s), 0 elsewhere (position 0 included)."""
-    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=values.device)  # (B, T-1)
-    return F.pad(zeros.masked_scatter(sel, values), (1, 0))  # (B, T)
+    Returns:
+        ``logp (B, T)`` and ``entropy (B, T)`` or ``None``, in ``row_logprobs``' dtype
+        (float32; float64 for float64 logits).
+    """
+    lp, ent = row_logprobs(logits, input_ids[b, t], with_entropy=with_entropy,
+                           temperature=temperature, chunk_elements=chunk_elements)  # (M,)
+
+    def to_tokens(values: torch.Tensor) -> torch.Tensor:  # (M,) -> (B, T), 0 elsewhere
+        return torch.zeros(input_ids.shape, dtype=values.dtype,
+                           device=values.device).index_put((b, t), values)
+
+    return to_tokens(lp), (to_tokens(ent) if ent is not None else None)
 
 
 def _agg(values: torch.Tensor, weights: torch.Tensor, normalizer: float | None,

@@ -29,7 +29,7 @@ from trace_lightning.collectives import all_gather_batch, all_gather_list
 from trace_lightning.engines.sync import sync_weights
 from trace_lightning.history import PromptHistory
 from trace_lightning.logs import log_scalars
-from trace_lightning.loss import row_logprobs, weighted_policy_loss
+from trace_lightning.loss import selected_token_logprobs, weighted_policy_loss
 from trace_lightning.features import Featuriser
 from trace_lightning.predictor import (ReplayBuffer, SuccessPredictor, fit_predictor,
                                        predict_nodes, training_batch)
@@ -491,14 +491,8 @@ class TraceModule(L.LightningModule):
                            **attention_inputs(model, mb)).logits  # (M, V): policy rows
         finally:
             hook.remove()
-        lp, ent = row_logprobs(logits, ids[b, t], with_entropy=with_entropy,
-                               temperature=temperature)  # (M,)
-
-        def to_tokens(values: torch.Tensor) -> torch.Tensor:  # (M,) -> (B, T), 0 elsewhere
-            return torch.zeros(ids.shape, dtype=values.dtype,
-                               device=values.device).index_put((b, t), values)
-
-        return to_tokens(lp), (to_tokens(ent) if ent is not None else None)
+        return selected_token_logprobs(logits, ids, b, t, with_entropy=with_entropy,
+                                       temperature=temperature)  # (B, T) each
 
     # ---- validation: the DataModule ran the agent; metrics come from the callbacks ------
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
