@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import numpy as np
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from callbacks._stats import StepSummary, merge_summaries, summarize_step
+from trace_lightning.collectives import all_gather_list
 from trace_lightning.logs import log_scalars, log_step  # noqa: F401 - the callbacks' own
 
 if TYPE_CHECKING:
@@ -107,16 +107,12 @@ def current_step(trainer: pl.Trainer, dm: RolloutData, who: str) -> RolloutStep 
 
 
 def gather(trainer: pl.Trainer, obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (a one-element list on a single process).
+    """Every rank's ``obj``, in rank order (a one-element list on a single process):
+    ``collectives.all_gather_list`` of one item, over the CPU group.
 
     Every rank must call it (it is a collective when the world has several processes).
     """
-    if trainer.world_size == 1 or not (torch.distributed.is_available()
-                                       and torch.distributed.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * trainer.world_size
-    torch.distributed.all_gather_object(out, obj)
-    return out
+    return all_gather_list([obj], trainer)
 
 
 def figure_to_chw(fig) -> np.ndarray:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from trace_lightning.allocators import bare_end
 from trace_lightning.calibration import (brier, brier_baseline, brier_skill,
                                          expected_calibration_error, spearman)
 from trace_lightning.tree import RolloutTree
@@ -98,17 +99,16 @@ def integer_bins(values: Sequence[float]) -> np.ndarray:
 
 # ---- trees -----------------------------------------------------------------------------------
 def bare_rewards(tree: RolloutTree, stage1: int | None = None) -> list[float]:
-    """Each stage-1 bare rollout's own terminal reward (first-child chain from the root's
-    child); chains that stop unfinished or unscored are skipped. ``stage1``: the planned bare
-    rollouts (indices below it); later ones re-spent budget no prefix could take, so they are
-    not what stage 1 alone gave (None: every bare rollout)."""
+    """Each stage-1 bare rollout's own terminal reward (``allocators.bare_end``: the
+    first-child chain from the root's child); chains that stop unfinished or unscored are
+    skipped. ``stage1``: the planned bare rollouts (indices below it); later ones re-spent
+    budget no prefix could take, so they are not what stage 1 alone gave (None: every bare
+    rollout)."""
     out = []
     for start in tree.bare_rollouts():
-        node = tree.nodes[start]
-        if stage1 is not None and node.rollout >= stage1:
+        if stage1 is not None and tree.nodes[start].rollout >= stage1:
             continue
-        while not node.finished and node.children:
-            node = tree.nodes[node.children[0]]
+        node = bare_end(tree, start)
         if node.finished and node.reward is not None:
             out.append(float(node.reward))
     return out
