@@ -109,7 +109,8 @@ class ExportPolicy(pl.Callback):
         error, problem = None, None
         if trainer.is_global_zero:
             try:
-                # global_step: Lightning's count, what exports recorded before policy_steps
+                # global_step: Lightning's count, beside policy_steps for readers of exports
+                # that record only global_step
                 meta = {"epochs": epochs_done, "policy_steps": policy_optimizer_steps(trainer),
                         "global_step": trainer.global_step}
                 save_policy(state, pl_module.hparams.policy_path, out, self.dtype, meta)

@@ -331,7 +331,7 @@ class Allocator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._rng.bit_generator.state = state["rng"]
-        if "explore_rng" in state:  # checkpoints before it kept one RNG: exploration restarts
+        if "explore_rng" in state:  # a state without it: exploration keeps its seeded RNG
             self._explore_rng.bit_generator.state = state["explore_rng"]
 
 

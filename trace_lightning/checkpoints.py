@@ -19,10 +19,10 @@ state (``checkpoint["trace"]``: replay, predictor optimizer); ``validate`` loads
 weights and checks only those. Cost: the file is memory-mapped (no copy in memory); the
 values check reads each checked tensor once through the page cache (a minimum and maximum
 per 16M values), the CRC check reads its records again (from the cache when it holds the
-file): on this 2-CPU machine about 1.3 s per GB from the cache, and a file not yet in the
-cache is read at the disk's speed. The expected shapes cost a model on the meta device
-(under a second for an 8B policy). A sharded (FSDP) checkpoint's keys and shapes are checked
-from its metadata; its values, which only the distributed loader reads, are not.
+file), and a file not yet in the cache is read at the disk's speed. The expected shapes
+cost a model on the meta device (no memory for its weights). A sharded (FSDP) checkpoint's
+keys and shapes are checked from its metadata; its values, which only the distributed
+loader reads, are not.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def _entries_by_record(zf: zipfile.ZipFile, entries: list[tuple[str, torch.Tenso
 
 def _check_values(path: Path, name: str, t: torch.Tensor, params: dict) -> None:
     """``t`` is finite, and an AdamW second moment is >= 0. Each chunk's minimum and
-    maximum tell (NaN propagates to both; about 4 GB/s here); the bad values are counted
+    maximum tell (NaN propagates to both); the bad values are counted
     only for the message."""
     if not t.is_floating_point() or t.numel() == 0:
         return

@@ -20,7 +20,7 @@ What an export guarantees:
   previous export holding nothing but its manifest's files; anything else there (notes,
   results, a folder of one's own) is refused before any work, naming the files and the fix
   (move them out, or export elsewhere), and checked again just before the swap. An export
-  from before manifests (a ``trace_lightning.json`` without ``files``) counts as the
+  without a manifest (a ``trace_lightning.json`` without ``files``) counts as the
   export's only the top-level files named as ``save_pretrained`` names a causal LM's and
   its tokenizer's (``LEGACY_EXPORT_FILES``). A file, a symbolic link, or a folder that is or
   holds the checkpoint or policy_path being read is refused too.
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 POLICY_PREFIX = "policy."  # TraceModule.policy in the LightningModule's state dict
 META_FILE = "trace_lightning.json"
-# What an export from before manifests wrote, as save_pretrained names a causal LM's config,
+# What an export without a manifest holds, as save_pretrained names a causal LM's config,
 # weights and generation config and a tokenizer's files: top-level files only
 LEGACY_EXPORT_FILES = (META_FILE, "config.json", "generation_config.json", "model*.safetensors",
                        "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
@@ -195,7 +195,7 @@ def check_out(out: str | Path, sources: Iterable[str | Path | None] = ()) -> Non
 def foreign_files(out: Path) -> list[str]:
     """What in the folder ``out`` no export wrote, as sorted paths relative to it (a folder
     with nothing in it ends in ``/``): all of it where it holds no ``trace_lightning.json``;
-    what its ``files`` (the manifest) does not list; for an export from before manifests
+    what its ``files`` (the manifest) does not list; for an export without a manifest
     (no ``files``, or a record that does not parse), what ``LEGACY_EXPORT_FILES`` does not
     name."""
     if not (out / META_FILE).is_file():
@@ -221,7 +221,7 @@ def _entries(folder: Path, root: Path) -> Iterator[str]:
 
 def _manifest(out: Path) -> set[str] | None:
     """The ``files`` listed in ``out``'s ``trace_lightning.json``, or None where it lists
-    none (an export from before manifests) or does not parse."""
+    none (an export without a manifest) or does not parse."""
     try:
         info = json.loads((out / META_FILE).read_text())
     except (OSError, ValueError):

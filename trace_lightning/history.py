@@ -2,11 +2,10 @@
 
 The shared predictor generalises across prompts from their features; for a prompt that was
 rolled out in earlier steps, its own outcomes are direct evidence that the features may not
-carry. On the demo world, 43% of the training questions fail in all of 8 samples, yet ridge
-regression on the policy's prompt states, fitted on 300 questions, reaches a Brier skill of
-only about 0.05 on the other 300. The predictor's root prediction ``p`` is read as a Beta
-prior worth ``strength`` rollouts and updated by the prompt's past bare rollouts, each
-discounted by ``decay`` per step since it was sampled (the policy has moved since):
+carry (which questions a policy always fails is hard to read from its prompt states alone).
+The predictor's root prediction ``p`` is read as a Beta prior worth ``strength`` rollouts and
+updated by the prompt's past bare rollouts, each discounted by ``decay`` per step since it
+was sampled (the policy has moved since):
 
     v = (strength * p + s) / (strength + n)
     s = sum_k decay^(t - t_k) r_k,    n = sum_k decay^(t - t_k)

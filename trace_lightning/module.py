@@ -102,9 +102,9 @@ class TraceModule(L.LightningModule):
         lr_warmup_steps: raise the policy's lr linearly over its first this many optimizer
             steps (0: full lr from the first step).
         compile_layers: ``torch.compile`` each of the policy's decoder layers (regional
-            compilation: one layer's code, compiled once and reused) before FSDP wraps them.
-            On the H200 benchmark this took our training step from 30.5k to 45.8k tokens/s;
-            the first steps pay the compilation, and new batch shapes may recompile.
+            compilation: one layer's code, compiled once and reused) before FSDP wraps them,
+            for faster training steps once compiled; the first steps pay the compilation, and
+            new batch shapes may recompile.
         tree_packing: forward each tree's tokens once in the update (its leaves' shared
             prefixes are not recomputed per leaf) and its nodes' predictor features in one
             pass per tree; the objective is the per-leaf one exactly

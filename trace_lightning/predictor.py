@@ -208,7 +208,7 @@ class ReplayBuffer:
         run may keep more or fewer steps than the one that saved them)."""
         steps = []
         for s in state["steps"]:
-            if "group" not in s:  # checkpoints before prompt groups: one group per node
+            if "group" not in s:  # a step saved without prompt groups: one group per node
                 s = {**s, "group": torch.arange(len(s["value"]))}
             steps.append(PredictorBatch(**s))
         self.steps = deque(steps, maxlen=self.max_steps)
@@ -229,9 +229,9 @@ def fit_predictor(predictor: SuccessPredictor, optimizer: torch.optim.Optimizer,
     nodes; after each pass over the rest the held-out loss is measured and the predictor
     keeps the weights of the best pass, or stays as it was before the fit (weights and feature
     standardisation; the passes start by standardising on the replay) when no pass beat it.
-    (Without this the MLP memorises a few hundred nodes: measured on the demo, 20 passes left
-    a Brier score worse than the constant mean on the next step's nodes, and TRACE then
-    filtered out most prompts as certain.) Holding out whole prompts measures
+    Without it the MLP memorises a few hundred nodes: its predictions on the next step's
+    nodes can be worse than the constant mean, and TRACE would then filter out most prompts
+    as certain. Holding out whole prompts measures
     what allocation needs, success on prompts the predictor has not fitted: a root and its
     prefixes share the question, so a node-level split rewards memorising questions.
     ``holdout=0``, a replay of under 10 entries or of one prompt, trains on everything for

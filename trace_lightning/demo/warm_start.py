@@ -8,8 +8,8 @@ sequence and the policy mask (1 on turn tokens, 0 on prompt and observation toke
 
 Demonstrations come from many worlds (each with its own BM25 index), each question used
 about once: a tiny model that sees the same world's facts over and over memorises them
-(measured: loss 0.04 on one world's demonstrations, 0% success on another world), while
-fresh names leave copying from the observation as the only way to lower the loss.
+(a low loss on that world, no success on another), while fresh names leave copying from
+the observation as the only way to lower the loss.
 
 Noisy demonstrations (a share ``noise`` of the trajectories) make one reading error: at a
 random hop they copy another entity of the right kind (a namesake's, from the observation
@@ -272,9 +272,8 @@ def batch_order(lengths: Sequence[int], batch_size: int, seed: int,
                  group: int = 8) -> Iterator[list[int]]:
     """Endless batches of indices: each pass over the data is shuffled, cut into groups of
     ``group`` batches, each group sorted by length and split into batches, and the batches
-    shuffled. Similar lengths share a batch, so little compute goes to padding (measured on
-    the demo's 2- and 3-hop trajectories, batch 16: 22% of the tokens are padding in
-    random batches, 3% here), while every example is still used once per pass.
+    shuffled. Similar lengths share a batch, so little compute goes to padding, while every
+    example is still used once per pass.
     """
     rng = random.Random(seed)
     while True:
@@ -298,10 +297,8 @@ def _train(model_dir, seqs, stats, steps, batch_size, lr, warmup, weight_decay,
                             betas=(0.9, 0.95))
 
     # Linear warmup, then a constant rate. Copying from the observation is learnt in a
-    # sudden drop of the loss after a plateau, and any decay delays it: cosine measured
-    # worse (400 steps: loss 0.97 with cosine, 0.33 at a constant rate), and a 600-step run
-    # decaying over its last fifth ended at 3% held-out success where the constant rate
-    # gave 50% (greedy).
+    # sudden drop of the loss after a plateau, and any decay of the rate (cosine, or a
+    # decay over the last steps) delays that drop.
 
     def lr_at(step: int) -> float:
         return min(1.0, (step + 1) / warmup)

@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 
 # The fixed pool of name pieces: 64 syllables, lower case. A person is two words of 2
 # syllables; cities and company names are 2 syllables, countries 3 (from COUNTRY_POOL,
-# below). (Countries of 2 syllables measured worse: 2.5-9.5% held-out success instead of
-# 6-24%, with more trajectories that keep searching, as if the name's shape had told the
-# tiny policy that it holds the answer.)
+# below): a country's name has its own shape, which seems to tell a tiny policy that it
+# holds the answer (with countries shaped like cities, more trajectories keep searching).
 SYLLABLES = (
     "ka", "vel", "mor", "dra", "xen", "lun", "tor", "bri", "sal", "quin", "zar", "fen", "gol",
     "ris", "pa", "dun", "mi", "thal", "ver", "os", "ke", "lo", "nar", "bel", "cor", "fi",
@@ -131,9 +130,8 @@ def _unique_words(rng: random.Random, count: int, n_syllables: int, used: set[st
 
 # Countries come from one fixed pool shared by every world, like real countries: the
 # policy can learn their names once, and what it must read from a world's documents is
-# which city lies in which. (Measured with fresh country names per world: after a 1000-step
-# warm start most held-out failures were misspelt copies of the three-syllable country, and
-# RL did not fix them in 20 epochs.)
+# which city lies in which. A fresh three-syllable country per world would have to be
+# copied letter by letter from the documents, which a tiny policy often misspells.
 COUNTRY_POOL = tuple(_unique_words(random.Random(2026), 48, 3, set()))
 
 

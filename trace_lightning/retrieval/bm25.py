@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Literal, get_args
 
 # bm25s imports JAX when it is installed and runs a dummy top-k at import, so XLA's default
-# preallocates 75% of every visible GPU for JAX inside our training process: on the H200
-# image (which has jax) 105 of 140 GiB were gone before the policy loaded, and the training
-# benchmark ran out of memory. BM25 needs no GPU: JAX stays on the CPU and allocates on
+# preallocates 75% of every visible GPU for JAX inside our training process, memory the
+# policy and the engine need. BM25 needs no GPU: JAX stays on the CPU and allocates on
 # demand, unless the process has configured JAX itself (set these before importing us).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
