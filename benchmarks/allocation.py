@@ -57,20 +57,20 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from trace_lightning.allocators import Allocator  # noqa: E402
-from trace_lightning.calibration import brier_skill  # noqa: E402
-from trace_lightning.collect import RolloutStep, collect_step, oracle_predict  # noqa: E402
-from trace_lightning.datasets import load_qa  # noqa: E402
-from trace_lightning.demo.prepare import DEMO_INSTRUCTION, DemoPaths  # noqa: E402
-from trace_lightning.engines import build_engine  # noqa: E402
-from trace_lightning.engines.base import SamplingConfig  # noqa: E402
-from trace_lightning.environment import SearchEnvironment  # noqa: E402
-from trace_lightning.history import PromptHistory  # noqa: E402
-from trace_lightning.features import Featuriser  # noqa: E402
-from trace_lightning.predictor import (ReplayBuffer, SuccessPredictor,  # noqa: E402
+from trace_lightning.allocation.allocators import Allocator  # noqa: E402
+from trace_lightning.math.calibration import brier_skill  # noqa: E402
+from trace_lightning.rollout.step import RolloutStep, collect_step, oracle_predict  # noqa: E402
+from trace_lightning.tasks.search_qa.datasets import load_qa  # noqa: E402
+from trace_lightning.tasks.search_qa.demo.prepare import DEMO_INSTRUCTION, DemoPaths  # noqa: E402
+from trace_lightning.rollout.engines import build_engine  # noqa: E402
+from trace_lightning.rollout.engines.base import SamplingConfig  # noqa: E402
+from trace_lightning.tasks.search_qa.environment import SearchEnvironment  # noqa: E402
+from trace_lightning.allocation.history import PromptHistory  # noqa: E402
+from trace_lightning.allocation.features import Featuriser  # noqa: E402
+from trace_lightning.allocation.predictor import (ReplayBuffer, SuccessPredictor,  # noqa: E402
                                        fit_predictor, predict_nodes, training_batch)
-from trace_lightning.retrieval import BM25Retriever  # noqa: E402
-from trace_lightning.rollout import AgentLoop  # noqa: E402
+from trace_lightning.tasks.search_qa.retrieval import BM25Retriever  # noqa: E402
+from trace_lightning.rollout.agent import AgentLoop  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
@@ -167,8 +167,8 @@ NEW_PROMPTS_DIR = provenance.REPO / "runs" / "bench" / "new_prompts_world"
 def new_prompts_world(questions: int) -> tuple[Path, Path]:
     """The corpus and QA files of the demo generator's training world (seed 0) at four times
     the size, with ``questions`` questions (built once; rebuilt when it has fewer)."""
-    from trace_lightning.demo.prepare import qa_records
-    from trace_lightning.demo.world import generate_world
+    from trace_lightning.tasks.search_qa.demo.prepare import qa_records
+    from trace_lightning.tasks.search_qa.demo.world import generate_world
     from trace_lightning.jsonl import write_records
 
     corpus, qa = NEW_PROMPTS_DIR / "corpus.jsonl", NEW_PROMPTS_DIR / "qa.jsonl"

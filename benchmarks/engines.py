@@ -30,7 +30,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from trace_lightning.engines import HFEngine, SamplingConfig  # noqa: E402
+from trace_lightning.rollout.engines import HFEngine, SamplingConfig  # noqa: E402
 from trace_lightning.models import build_tiny_from_corpus, read_corpus_texts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "threads": torch.get_num_threads()})
         del hf
 
-    from trace_lightning.engines.vllm_engine import VLLMEngine
+    from trace_lightning.rollout.engines.vllm_engine import VLLMEngine
 
     (vllm, start_sec) = timed(lambda: VLLMEngine(
         str(model_dir), enforce_eager=not args.compile, kv_cache_memory_gb=1.0,

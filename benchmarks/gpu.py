@@ -86,7 +86,7 @@ import torch  # noqa: E402
 
 
 def _placeholder_missing(names: tuple[str, ...] = ("bm25s",)) -> list[str]:
-    """``trace_lightning.module`` imports ``collect -> rollout -> environment -> retrieval ->
+    """``trace_lightning.training.module`` imports ``collect -> rollout -> environment -> retrieval ->
     retrieval.bm25 -> bm25s`` at import time; this benchmark never retrieves. Where such a
     module is absent (the H200 image has no bm25s), put an empty placeholder in
     ``sys.modules`` so the import chain loads; any real use of it would fail loudly."""
@@ -105,12 +105,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer  # noqa: E402
 
-from trace_lightning.engines.base import SamplingConfig  # noqa: E402
-from trace_lightning.engines.hf_engine import HFEngine  # noqa: E402
-from trace_lightning.loss import (masked_token_logprobs, policy_loss,  # noqa: E402
+from trace_lightning.rollout.engines.base import SamplingConfig  # noqa: E402
+from trace_lightning.rollout.engines.hf_engine import HFEngine  # noqa: E402
+from trace_lightning.math.loss import (masked_token_logprobs, policy_loss,  # noqa: E402
                                   token_logprobs)
-from trace_lightning.module import TraceModule, compile_decoder_layers  # noqa: E402
-from trace_lightning.packing import collate, pack_microbatches, padding_share  # noqa: E402
+from trace_lightning.training.module import TraceModule, compile_decoder_layers  # noqa: E402
+from trace_lightning.training.packing import collate, pack_microbatches, padding_share  # noqa: E402
 from trace_lightning.tree import LeafSequence  # noqa: E402
 
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (the project's design notes)
@@ -287,8 +287,8 @@ def synth_tree_minibatches(s: Setup, n: int, seed: int) -> list[dict]:
     prompt and 3 turns of 100 generated + 450 observation tokens), each tree packed as one
     sequence (``tree_packing``): about ``accum * batch * seq`` tokens over leaves per
     mini-batch; ``lengths`` are the leaves' (the per-leaf work, for FLOPs and tokens/s)."""
-    from trace_lightning.advantage import assign_advantages
-    from trace_lightning.tree_packing import tree_minibatches, update_units
+    from trace_lightning.math.advantage import assign_advantages
+    from trace_lightning.training.tree_packing import tree_minibatches, update_units
 
     spec = importlib.util.spec_from_file_location("bench_update",
                                                   Path(__file__).with_name("update.py"))
@@ -507,7 +507,7 @@ def _updated_frac(before: torch.Tensor | None, model) -> float | None:
 
 def _fsdp_strategy(s: Setup):
     """Our FSDP strategy (the GPU configs'); on CPU (--tiny) the same FSDP1 code over gloo."""
-    from trace_lightning.strategies import CPUFSDPStrategy, TraceFSDPStrategy
+    from trace_lightning.training.strategies import CPUFSDPStrategy, TraceFSDPStrategy
 
     if s.cuda:
         return TraceFSDPStrategy(auto_wrap_policy={Qwen3DecoderLayer}), "cuda"

@@ -42,9 +42,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from trace_lightning.datasets import load_qa
-from trace_lightning.retrieval import BM25Retriever, HTTPRetriever
-from trace_lightning.retrieval.server import serve_in_thread
+from trace_lightning.tasks.search_qa.datasets import load_qa
+from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, HTTPRetriever
+from trace_lightning.tasks.search_qa.retrieval.server import serve_in_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
@@ -135,7 +135,7 @@ def start_server(corpus: Path, cache_dir: str | None,
                  log_path: Path) -> tuple[subprocess.Popen, str, int]:
     """``trace-lightning-retriever`` on a free loopback port -> (process, host:port, passages),
     once its log says it serves."""
-    command = [sys.executable, "-m", "trace_lightning.retrieval.server", "--corpus",
+    command = [sys.executable, "-m", "trace_lightning.tasks.search_qa.retrieval.server", "--corpus",
                str(corpus), "--host", "127.0.0.1", "--port", "0"]
     if cache_dir is not None:
         command += ["--cache-dir", cache_dir]

@@ -35,9 +35,9 @@ import torch  # noqa: E402
 from allocation import OnlinePredictor, add_step_args, demo_world  # noqa: E402
 import provenance  # noqa: E402
 
-from trace_lightning.allocators import Allocator  # noqa: E402
-from trace_lightning.collect import collect_step  # noqa: E402
-from trace_lightning.history import PromptHistory  # noqa: E402
+from trace_lightning.allocation.allocators import Allocator  # noqa: E402
+from trace_lightning.rollout.step import collect_step  # noqa: E402
+from trace_lightning.allocation.history import PromptHistory  # noqa: E402
 
 SCHEDULES = ("overlap", "two_wave")
 

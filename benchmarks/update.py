@@ -44,16 +44,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from trace_lightning.advantage import assign_advantages  # noqa: E402
-from trace_lightning.loss import weighted_policy_loss  # noqa: E402
-from trace_lightning.module import TraceModule  # noqa: E402
-from trace_lightning.packing import leaf_minibatches  # noqa: E402
+from trace_lightning.math.advantage import assign_advantages  # noqa: E402
+from trace_lightning.math.loss import weighted_policy_loss  # noqa: E402
+from trace_lightning.training.module import TraceModule  # noqa: E402
+from trace_lightning.training.packing import leaf_minibatches  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
 from trace_lightning.tree import RolloutTree, read_jsonl, write_jsonl  # noqa: E402
-from trace_lightning.tree_attention import TREE_SDPA  # noqa: E402
-from trace_lightning.tree_packing import (WEIGHT_KEYS, tree_minibatches,  # noqa: E402
+from trace_lightning.training.tree_attention import TREE_SDPA  # noqa: E402
+from trace_lightning.training.tree_packing import (WEIGHT_KEYS, tree_minibatches,  # noqa: E402
                                           update_units)
 
 SETS = ("uniform", "trace", "search_r1")
@@ -82,9 +82,9 @@ def demo_trees(args) -> dict[str, list[RolloutTree]]:
     """One step of uniform and one of trace on the same candidates (the demo's budget)."""
     from allocation import OnlinePredictor, demo_world  # the allocation benchmark's world
 
-    from trace_lightning.allocators import Allocator
-    from trace_lightning.collect import collect_step
-    from trace_lightning.history import PromptHistory
+    from trace_lightning.allocation.allocators import Allocator
+    from trace_lightning.rollout.step import collect_step
+    from trace_lightning.allocation.history import PromptHistory
 
     torch.manual_seed(args.seed)
     policy, loop, questions = demo_world(args.demo_dir, args.seed, 1.0)
@@ -151,7 +151,7 @@ def search_r1_trees(vocab: int, seed: int, prompts: int = 16, bare: int = 4,
 def measure(args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from trace_lightning.demo.prepare import DemoPaths
+    from trace_lightning.tasks.search_qa.demo.prepare import DemoPaths
 
     trees = list(read_jsonl(Path(args.trees_dir) / f"{args.measure}.jsonl"))
     for t in trees:
@@ -228,7 +228,7 @@ def main(argv=None) -> dict:
     if not (out_dir / "search_r1.jsonl").exists():
         from transformers import AutoConfig
 
-        from trace_lightning.demo.prepare import DemoPaths
+        from trace_lightning.tasks.search_qa.demo.prepare import DemoPaths
 
         vocab = AutoConfig.from_pretrained(DemoPaths.under(args.demo_dir).model).vocab_size
         write_jsonl(search_r1_trees(vocab, args.seed), out_dir / "search_r1.jsonl")

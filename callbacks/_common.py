@@ -26,7 +26,7 @@ from trace_lightning.collectives import all_gather_list
 from trace_lightning.logs import log_scalars, log_step  # noqa: F401 - the callbacks' own
 
 if TYPE_CHECKING:
-    from trace_lightning.collect import RolloutStep
+    from trace_lightning.rollout.step import RolloutStep
 
 _TB_HINT = ("add `trainer.logger: {class_path: lightning.pytorch.loggers.TensorBoardLogger, "
             "init_args: {save_dir: runs}}` to the config (or pass "

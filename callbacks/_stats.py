@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trace_lightning.allocators import bare_end
-from trace_lightning.calibration import (brier, brier_baseline, brier_skill,
+from trace_lightning.allocation.allocators import bare_end
+from trace_lightning.math.calibration import (brier, brier_baseline, brier_skill,
                                          expected_calibration_error, spearman)
 from trace_lightning.tree import RolloutTree
-from trace_lightning.tree_packing import unique_tokens
+from trace_lightning.training.tree_packing import unique_tokens
 
 if TYPE_CHECKING:
-    from trace_lightning.collect import RolloutStep
+    from trace_lightning.rollout.step import RolloutStep
 
 ADV_ATOL = 1e-6
 

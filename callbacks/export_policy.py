@@ -5,13 +5,13 @@ epochs: config, safetensors weights, tokenizer and ``trace_lightning.json`` (epo
 the policy optimizer's steps), ready for ``AutoModelForCausalLM.from_pretrained`` or
 ``vllm serve``. Under FSDP the shards are gathered onto rank 0's CPU, which alone writes;
 every rank takes part in the gather, and every rank raises when rank 0's write fails. For a
-checkpoint after the fact: ``trace-lightning-export`` (``trace_lightning/export.py``).
+checkpoint after the fact: ``trace-lightning-export`` (``trace_lightning/training/export.py``).
 
 An export folder already there (a resumed run's, or a new run given the same ``dirpath``) is
 replaced only when it holds nothing but what an export wrote (the manifest in its
 ``trace_lightning.json``); files of one's own kept there are refused, never deleted: ``last``
 at ``on_fit_start``, before training, ``epoch_<E>`` when it is written. Exports are swapped in
-by renames from fresh temporary folders beside them, as ``trace_lightning/export.py`` says.
+by renames from fresh temporary folders beside them, as ``trace_lightning/training/export.py`` says.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from trace_lightning.engines.sync import policy_weights
-from trace_lightning.export import check_out, export_dtype, save_policy
+from trace_lightning.rollout.engines.sync import policy_weights
+from trace_lightning.training.export import check_out, export_dtype, save_policy
 
 
 def policy_optimizer_steps(trainer: pl.Trainer) -> int:

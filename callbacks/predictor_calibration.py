@@ -8,7 +8,7 @@ predictions were made *before* the predictor trained on this step, so this is ou
 Logged: Brier score, the constant-mean baseline on the same outcomes and the skill
 ``1 - brier / baseline``, ECE, Spearman rank correlation, counts, and a reliability diagram
 (image ``predictor/reliability``). Nothing is logged for an epoch without predictions
-(``uniform``/``random_tree`` allocators, cold start). Formulas: ``trace_lightning.calibration``.
+(``uniform``/``random_tree`` allocators, cold start). Formulas: ``trace_lightning.math.calibration``.
 
 The module itself logs the predictor's training loss (``predictor/loss``,
 ``predictor/loss_before``); this callback does not touch those keys.
@@ -23,7 +23,7 @@ from callbacks._common import (RolloutCallback, check_datamodule, current_step,
                                figure_to_chw, gather, log_scalars, log_step,
                                tensorboard_logger)
 from callbacks._stats import CalibrationPoints, calibration_metrics, calibration_points
-from trace_lightning.calibration import reliability_curve
+from trace_lightning.math.calibration import reliability_curve
 
 
 class PredictorCalibration(RolloutCallback):

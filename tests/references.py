@@ -1,7 +1,7 @@
 """Plain references the tests check the library against (tests only).
 
 - Advantages: ``grpo_loop``, ``tree_grpo_loop``, ``treepo_loop``, ``segment_loop``, plain
-  loops over the leaves for the vectorised kinds of ``trace_lightning.advantage``.
+  loops over the leaves for the vectorised kinds of ``trace_lightning.math.advantage``.
 - Prefix allocation: ``spread_prefix_budget`` (both phases of stage 2 over all prompts at
   once, on ``(r, p)`` pairs) and ``plan_prefixes`` (both phases of an ``Allocator``'s
   ``PrefixPlanner`` over finished trees at once, as a ``PrefixPlan``): the one-shot counts
@@ -14,9 +14,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from trace_lightning.advantage import EPS, LeafKey, _check_trees, _spread
-from trace_lightning.allocation import solve_prefixes, spend_pool
-from trace_lightning.allocators import _BRANCHING, Allocator, PrefixPlanner, RootPlan
+from trace_lightning.math.advantage import EPS, LeafKey, _check_trees, _spread
+from trace_lightning.math.solvers import solve_prefixes, spend_pool
+from trace_lightning.allocation.allocators import _BRANCHING, Allocator, PrefixPlanner, RootPlan
 from trace_lightning.tree import RolloutTree
 
 # ---- advantages ------------------------------------------------------------------------------

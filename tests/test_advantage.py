@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import references
-from trace_lightning import advantage as adv
+from trace_lightning.math import advantage as adv
 from trace_lightning.tree import RolloutTree
 
 RTOL, ATOL = 1e-6, 1e-6

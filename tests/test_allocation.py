@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from references import spread_prefix_budget
-from trace_lightning.allocation import (
+from trace_lightning.math.solvers import (
     draw_random,
     beta_moment,
     expected_root_values,

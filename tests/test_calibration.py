@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trace_lightning.calibration import (
+from trace_lightning.math.calibration import (
     average_ranks,
     brier,
     brier_baseline,

@@ -26,8 +26,8 @@ import pytest
 from callbacks._stats import (allocation_metrics, calibration_metrics, calibration_points,
                               gini, merge_summaries, normalized_entropy, reward_variance_metrics,
                               summarize_step)
-from trace_lightning import calibration
-from trace_lightning.collect import RolloutStep
+from trace_lightning.math import calibration
+from trace_lightning.rollout.step import RolloutStep
 from trace_lightning.tree import Budget, RolloutTree
 
 
@@ -209,7 +209,7 @@ def test_calibration_on_hand_built_step_matches_library():
     pts = calibration_points(build_step().trees)
     got = calibration_metrics(pts)
     _check(got, EXPECTED_PREDICTOR)
-    # the numbers flow through trace_lightning.calibration unchanged
+    # the numbers flow through trace_lightning.math.calibration unchanged
     assert got["predictor/brier"] == calibration.brier(pts.p, pts.y, pts.w)
     assert got["predictor/ece"] == calibration.expected_calibration_error(pts.p, pts.y, pts.w)
 

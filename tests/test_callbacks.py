@@ -58,7 +58,7 @@ EXPECTED_PERF = {
 
 
 def collate_rows(rows: list[dict]) -> dict:
-    """As ``trace_lightning.validation.collate_rows``: tensors per field, names as a list."""
+    """As ``trace_lightning.rollout.validation.collate_rows``: tensors per field, names as a list."""
     return {k: (torch.tensor([r[k] for r in rows]) if k != "dataset" else [r[k] for r in rows])
             for k in rows[0]}
 
@@ -233,7 +233,7 @@ def test_train_tokens_count_every_ppo_pass_and_only_epochs_with_a_step(tmp_path)
 def test_forwarded_tokens_of_packed_trees_count_each_tree_token_once(tmp_path):
     """With tree packing, the forwards read each tree's tokens once: the trees' unique tokens,
     fewer than the leaves' sequences hold where leaves share prefixes."""
-    from trace_lightning.tree_packing import unique_tokens
+    from trace_lightning.training.tree_packing import unique_tokens
 
     dm = StepData([build_step(0)])
     dm.tree_packing = True

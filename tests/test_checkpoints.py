@@ -19,11 +19,11 @@ from transformers import Qwen3ForCausalLM
 
 from test_module import VOCAB, policy_dir  # noqa: F401 (a fixture)
 from test_resume import _fit, _fsdp, no_process_group  # noqa: F401 (a fixture)
-from trace_lightning.checkpoints import check_checkpoint
+from trace_lightning.training.checkpoints import check_checkpoint
 from trace_lightning.cli import last_checkpoint, main
-from trace_lightning.export import checkpoint_meta
+from trace_lightning.training.export import checkpoint_meta
 from trace_lightning.models import tiny_qwen3_config
-from trace_lightning.module import TraceModule
+from trace_lightning.training.module import TraceModule
 
 TESTS = Path(__file__).resolve().parent
 
@@ -35,7 +35,7 @@ KILLED_FIT = """
 import os, sys
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_resume import _fit
-from trace_lightning.module import TraceModule
+from trace_lightning.training.module import TraceModule
 
 class KilledAfterRemoval(ModelCheckpoint):
     def _remove_checkpoint(self, trainer, filepath):

@@ -13,7 +13,7 @@ import pytest
 
 from trace_lightning.cli import cli, main
 from trace_lightning.data import TraceDataModule
-from trace_lightning.data_config import DemoConfig, EvalSet
+from trace_lightning.tasks.search_qa.config import DemoConfig, EvalSet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trace_lightning.datasets import load_qa, split_train_val
+from trace_lightning.tasks.search_qa.datasets import load_qa, split_train_val
 from trace_lightning.tasks.base import Example
 
 
@@ -212,7 +212,7 @@ def test_questions_no_answer_can_score_on_are_kept_with_one_warning(tmp_path, ca
     write_jsonl(path, [{"id": f"q{i}", "question": "Q?", "answers": answers}
                        for i, answers in enumerate([["---"], ["Paris"], [")", " The "], ["*", "x"],
                                                     ["!"], ["?"], ["ok"]])])
-    with caplog.at_level("WARNING", logger="trace_lightning.datasets"):
+    with caplog.at_level("WARNING", logger="trace_lightning.tasks.search_qa.datasets"):
         examples = load_qa(path)
     assert [e.id for e in examples] == [f"q{i}" for i in range(7)]  # all kept
     (record,) = caplog.records
@@ -222,13 +222,13 @@ def test_questions_no_answer_can_score_on_are_kept_with_one_warning(tmp_path, ca
         f"'q0', 'q2', 'q4' and 1 more; they are kept; to score them, give each an answer with "
         f"a letter or digit")
     caplog.clear()
-    with caplog.at_level("WARNING", logger="trace_lightning.datasets"):
+    with caplog.at_level("WARNING", logger="trace_lightning.tasks.search_qa.datasets"):
         load_qa(path, limit=2)  # only the questions read count
     assert "1 question(s)" in caplog.text and "ids 'q0';" in caplog.text
 
 
 def test_the_real_nq_file_has_two_questions_no_answer_can_score_on(shared_data, caplog):
-    with caplog.at_level("WARNING", logger="trace_lightning.datasets"):
+    with caplog.at_level("WARNING", logger="trace_lightning.tasks.search_qa.datasets"):
         assert len(load_qa(shared_data / "nq" / "test_1k.jsonl")) == 1000
     (record,) = caplog.records
     assert ": 2 question(s) have no answer" in record.getMessage()

@@ -7,15 +7,15 @@ import re
 
 import pytest
 
-from trace_lightning.demo.world import (
+from trace_lightning.tasks.search_qa.demo.world import (
     PHRASES,
     QUESTION_TYPES,
     SYLLABLES,
     generate_world,
     gold_turns,
 )
-from trace_lightning.environment import parse_turn
-from trace_lightning.retrieval import BM25Retriever
+from trace_lightning.tasks.search_qa.environment import parse_turn
+from trace_lightning.tasks.search_qa.retrieval import BM25Retriever
 
 SIZES = {"n_people": 120, "n_cities": 20, "n_countries": 5, "n_companies": 20,
          "n_questions": 200}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trace_lightning.engines import HFEngine, SamplingConfig, build_engine, policy_logprobs
+from trace_lightning.rollout.engines import HFEngine, SamplingConfig, build_engine, policy_logprobs
 from trace_lightning.models import build_tiny_from_corpus
 
 ATOL = 1e-4  # fp32 engine vs fp32 transformers; measured about 1e-6
@@ -250,7 +250,7 @@ KEEPS_GROUP_SCRIPT = """
 import sys
 import torch
 import torch.distributed as dist
-from trace_lightning.engines import SamplingConfig, build_engine
+from trace_lightning.rollout.engines import SamplingConfig, build_engine
 
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=0, world_size=1)
 engine = build_engine("vllm", sys.argv[1], enforce_eager=True, kv_cache_memory_gb=0.25)
@@ -283,7 +283,7 @@ def test_inverse_cdf_sampling_frequencies_and_edges():
     """Token j is drawn with probability p_j / sum(p) (unnormalised weights), weight-0 tokens
     never, whatever u in [0, 1): 0 gives the first token with weight, the largest float32
     below 1 the last."""
-    from trace_lightning.engines.hf_engine import inverse_cdf
+    from trace_lightning.rollout.engines.hf_engine import inverse_cdf
 
     weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0],
                             [5.0, 0.0, 0.0, 0.0, 0.0, 3.0]])  # (2, 6), row sums 4 and 8
@@ -302,7 +302,7 @@ def test_inverse_cdf_sampling_frequencies_and_edges():
 def test_inverse_cdf_keeps_the_tail_of_a_large_vocabulary_in_place():
     """Each token's interval of u is where its probability puts it, also at the end of a
     151,936-token vocabulary (a float32 running sum misplaced a sixth of the last 2,000)."""
-    from trace_lightning.engines.hf_engine import inverse_cdf
+    from trace_lightning.rollout.engines.hf_engine import inverse_cdf
 
     gen = torch.Generator().manual_seed(0)
     p = torch.rand(151_936, generator=gen) ** 4
@@ -368,7 +368,7 @@ def test_vllm_executor_is_the_external_launcher_for_one_rank_of_several_on_gpus(
 
     import torch.distributed as dist
 
-    from trace_lightning.engines.vllm_engine import executor_backend
+    from trace_lightning.rollout.engines.vllm_engine import executor_backend
 
     assert executor_backend(on_cpu=True, tensor_parallel_size=1) is None
     # one process: no process group (a vLLM engine alive in this module has its own)

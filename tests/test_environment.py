@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from trace_lightning.environment import (
+from trace_lightning.tasks.search_qa.environment import (
     SEARCH_R1_INSTRUCTION,
     STOP_STRINGS,
     SearchEnvironment,
@@ -17,7 +17,7 @@ from trace_lightning.environment import (
 )
 from trace_lightning.tasks.base import Turn, through_first_stop
 from trace_lightning.models import AGENT_TAGS, read_corpus_texts, train_tokenizer
-from trace_lightning.retrieval import BM25Retriever, Passage
+from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, Passage
 
 EOS = "<|im_end|>"
 
@@ -354,7 +354,7 @@ def test_stop_string_made_a_special_token_is_refused(corpus, retriever):
 def test_env_config_refuses_what_the_environment_would_when_configured(setting, message):
     """The run's --data.env settings are checked as the CLI builds them, not when the first
     environment is made (after the tokenizer, the corpus index and the engine)."""
-    from trace_lightning.data_config import EnvConfig
+    from trace_lightning.tasks.search_qa.config import EnvConfig
 
     with pytest.raises(ValueError, match=message):
         EnvConfig(**setting)

@@ -1,4 +1,4 @@
-"""trace_lightning/export.py: the policy as a Hugging Face directory, from a state dict, a
+"""trace_lightning/training/export.py: the policy as a Hugging Face directory, from a state dict, a
 checkpoint file or a sharded (DCP) checkpoint directory; what an export over an existing
 folder replaces (only what an export wrote) and what a failure or a kill leaves. A real fit
 that exports through ``callbacks.ExportPolicy`` and ``trace-lightning-export`` is in
@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from trace_lightning.export import (ELSEWHERE, META_FILE, export_checkpoint, is_local_path,
+from trace_lightning.training.export import (ELSEWHERE, META_FILE, export_checkpoint, is_local_path,
                                     main, policy_state, read_checkpoint, replace_dir,
                                     save_policy)
 from trace_lightning.models import build_tiny_from_corpus
@@ -234,7 +234,7 @@ KILLED_EXPORT_SCRIPT = """
 import os, sys
 from pathlib import Path
 from transformers import AutoModelForCausalLM
-from trace_lightning.export import save_policy
+from trace_lightning.training.export import save_policy
 
 model_dir, out = sys.argv[1], Path(sys.argv[2])
 rename = Path.rename

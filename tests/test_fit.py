@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from trace_lightning.cli import cli, main
-from trace_lightning.data_config import DemoConfig
-from trace_lightning.export import export_checkpoint, policy_state
-from trace_lightning.export import main as export_main
+from trace_lightning.tasks.search_qa.config import DemoConfig
+from trace_lightning.training.export import export_checkpoint, policy_state
+from trace_lightning.training.export import main as export_main
 from trace_lightning.tree import read_jsonl
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-from trace_lightning.environment import SEARCH_R1_INSTRUCTION as SEARCH_R1  # noqa: E402
+from trace_lightning.tasks.search_qa.environment import SEARCH_R1_INSTRUCTION as SEARCH_R1  # noqa: E402
 
 # a small world and a short warm start: the pipeline is what is tested here
 SMALL_DEMO = {"n_people": 60, "n_cities": 12, "n_countries": 4, "n_companies": 12,
@@ -29,7 +29,7 @@ SMALL_DEMO = {"n_people": 60, "n_cities": 12, "n_countries": 4, "n_companies": 1
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
-    from trace_lightning.demo.prepare import prepare_demo
+    from trace_lightning.tasks.search_qa.demo.prepare import prepare_demo
 
     out = tmp_path_factory.mktemp("demo") / "world"
     prepare_demo(out, warm_start_steps=40, **SMALL_DEMO)
@@ -71,7 +71,7 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
     warmup = ("--model.lr=2e-4", "--model.lr_warmup_steps=3", "--model.weight_decay=0.1",
               "--model.kl_coef=0.5")
     a = tmp_path / "a"
-    from trace_lightning.module import TraceModule
+    from trace_lightning.training.module import TraceModule
 
     synced_at = []  # the global step of every weight sync into the engine
     sync = TraceModule.sync_to_engine
@@ -162,7 +162,7 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
 
     branched = [t for t in ta + epoch0 if len(t.leaves()) > 1]
     assert any(len(t.bare_rollouts()) < len(t.leaves()) for t in branched)  # continuations
-    from trace_lightning.tree_attention import TREE_SDPA
+    from trace_lightning.training.tree_attention import TREE_SDPA
 
     demo_policy = in_float64(AutoModelForCausalLM.from_pretrained(
         demo_dir / "model", attn_implementation=TREE_SDPA))
@@ -326,8 +326,8 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     # The engine is awake for every weight load and generate call (rollouts, validation)
     # and asleep for every training batch: vLLM's sleep mode frees the GPU there (CUDA only;
     # on this CPU build sleep frees nothing, but the phases are the same calls).
-    from trace_lightning.engines.vllm_engine import VLLMEngine
-    from trace_lightning.module import TraceModule
+    from trace_lightning.rollout.engines.vllm_engine import VLLMEngine
+    from trace_lightning.training.module import TraceModule
 
     seen: dict[str, list] = {"generate": [], "load_weights": [], "train": [], "predict": [],
                              "threads": []}
@@ -496,9 +496,9 @@ def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_d
     with fewer questions than processes (one would skip validation, the others hang) too."""
     from types import SimpleNamespace
 
-    from trace_lightning.allocators import Allocator
+    from trace_lightning.allocation.allocators import Allocator
     from trace_lightning.data import TraceDataModule
-    from trace_lightning.data_config import EvalSet
+    from trace_lightning.tasks.search_qa.config import EvalSet
 
     hotpot = shared_data / "hotpotqa"
     uniform = Allocator("uniform", roots=16, continuations=0, max_rollouts_per_prompt=4,
@@ -552,7 +552,7 @@ def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, d
     a corpus that does not exist would fail only when first searched (a validation set's:
     after the first epoch trained, before its checkpoint)."""
     from trace_lightning.data import TraceDataModule
-    from trace_lightning.data_config import EvalSet
+    from trace_lightning.tasks.search_qa.config import EvalSet
 
     hotpot, wiki = shared_data / "hotpotqa", shared_data / "2wikimultihopqa"
     common = dict(train=str(hotpot / "dev_distractor.jsonl"), policy_path=str(demo_dir / "model"))
@@ -581,7 +581,7 @@ def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, d
     # validate needs no training file
     from types import SimpleNamespace
 
-    from trace_lightning.data_config import DemoConfig
+    from trace_lightning.tasks.search_qa.config import DemoConfig
 
     demo = tmp_path / "demo"
     dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo)), policy_path=str(demo / "model"),
@@ -607,7 +607,7 @@ def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_d
     that is not finite and an unknown demo option fail at construction, naming the flag (the
     last when the CLI parses --data.demo)."""
     from trace_lightning.data import TraceDataModule
-    from trace_lightning.data_config import DemoConfig, EvalSet
+    from trace_lightning.tasks.search_qa.config import DemoConfig, EvalSet
 
     hotpot = shared_data / "hotpotqa"
     bad = tmp_path / "bad_corpus.jsonl"
@@ -686,7 +686,7 @@ def test_retriever_that_does_not_answer_fails_before_work(demo_dir, tmp_path, mo
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from trace_lightning.retrieval import RetrieverError
+    from trace_lightning.tasks.search_qa.retrieval import RetrieverError
 
     with pytest.raises(RetrieverError, match=f"127.0.0.1:{port}"):
         main(["fit", *demo_args(demo_dir, tmp_path, 1), "--data.demo=null",
@@ -696,7 +696,7 @@ def test_retriever_that_does_not_answer_fails_before_work(demo_dir, tmp_path, mo
 
 
 def test_nan_reward_stops_the_step_without_a_checkpoint(demo_dir, tmp_path, monkeypatch):
-    from trace_lightning import environment
+    from trace_lightning.tasks.search_qa import environment
 
     original = environment.SearchEnvironment.score
 
@@ -713,9 +713,9 @@ def test_nan_reward_stops_the_step_without_a_checkpoint(demo_dir, tmp_path, monk
 @pytest.fixture(scope="session")
 def hotpot_policy(tmp_path_factory, shared_data) -> Path:
     """A tiny random Qwen3 with a tokenizer trained on real HotpotQA passages."""
-    from trace_lightning.environment import SEARCH_R1_INSTRUCTION
+    from trace_lightning.tasks.search_qa.environment import SEARCH_R1_INSTRUCTION
     from trace_lightning.models import AGENT_TAGS, build_tiny_model, train_tokenizer
-    from trace_lightning.retrieval import load_corpus
+    from trace_lightning.tasks.search_qa.retrieval import load_corpus
 
     passages = load_corpus(shared_data / "hotpotqa" / "corpus.jsonl")[:3000]
     texts = [f"{p.title} {p.text}" for p in passages] + [SEARCH_R1_INSTRUCTION] * 20
@@ -745,7 +745,7 @@ def test_validate_on_real_hotpotqa_dev(hotpot_policy, shared_data, tmp_path):
     assert float(metrics["val/hotpotqa/questions"]) == 6
     trees = out.datamodule.last_val_trees["hotpotqa"]
     # the file's first six questions, with their gold answers and aliases
-    from trace_lightning.datasets import load_qa
+    from trace_lightning.tasks.search_qa.datasets import load_qa
 
     dev = load_qa(hp / "dev_distractor.jsonl", limit=6)
     assert [(t.question, t.answers) for t in trees] == [(e.question, e.answers) for e in dev]
@@ -768,7 +768,7 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
 
     from transformers import AutoModelForCausalLM
 
-    strategy = {"class_path": "trace_lightning.strategies.CPUFSDPStrategy",
+    strategy = {"class_path": "trace_lightning.training.strategies.CPUFSDPStrategy",
                 "init_args": {"auto_wrap_policy": [
                     "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer"],
                     "activation_checkpointing_policy": [
@@ -851,7 +851,7 @@ import lightning as L
 import torch
 
 from trace_lightning.data import TraceDataModule
-from trace_lightning.data_config import DemoConfig
+from trace_lightning.tasks.search_qa.config import DemoConfig
 
 out = Path(sys.argv[1])
 
@@ -910,7 +910,7 @@ if os.environ["RANK"] == "0":
     import torch  # the weights of a checkpoint of this model (setup checks their keys and
     # shapes before the processes agree)
     from transformers.utils import logging
-    from trace_lightning.module import TraceModule
+    from trace_lightning.training.module import TraceModule
     module = TraceModule(policy_path=str(demo / "model"), predictor_hidden=128)  # demo.yaml's
     logging.disable_progress_bar()  # "Loading weights" is what the run below must not print
     module.configure_model()
@@ -985,7 +985,7 @@ def test_an_engine_failing_to_start_on_one_process_stops_every_process(demo_dir,
 
     from trace_lightning.collectives import RankFailed
     from trace_lightning.data import TraceDataModule
-    from trace_lightning.engines.config import EngineConfig
+    from trace_lightning.rollout.engines.config import EngineConfig
 
     def out_of_memory(*a, **k):
         raise RuntimeError("CUDA out of memory (simulated: no GPU here)")
@@ -1030,8 +1030,8 @@ def test_an_engine_failing_to_start_on_one_process_stops_every_process(demo_dir,
 def test_gpu_memory_vllm_would_refuse_is_named_before_it_starts():
     """vLLM takes ``gpu_memory_utilization`` of the GPU's total memory and refuses to start
     with less free; the check names the flag, what is free, and the most it could take."""
-    from trace_lightning.engines.config import EngineConfig
-    from trace_lightning.engines.vllm_engine import check_gpu_memory
+    from trace_lightning.rollout.engines.config import EngineConfig
+    from trace_lightning.rollout.engines.vllm_engine import check_gpu_memory
 
     gib = 2**30
     check_gpu_memory(free=30 * gib, total=80 * gib, utilization=0.3, device=0)  # 24 GiB: fits
@@ -1049,7 +1049,7 @@ def test_gpu_memory_vllm_would_refuse_is_named_before_it_starts():
 
 def test_validate_with_a_missing_checkpoint_path_fails_before_the_engine(demo_dir, tmp_path,
                                                                          monkeypatch):
-    from trace_lightning.engines.config import EngineConfig
+    from trace_lightning.rollout.engines.config import EngineConfig
 
     def no_engine(*a, **k):
         raise AssertionError("the engine started before the checkpoint was checked")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trace_lightning.history import PromptHistory
+from trace_lightning.allocation.history import PromptHistory
 from trace_lightning.tree import RolloutTree
 
 KW = dict(token_ids=[7], logprobs=[-1.0], policy_mask=[1])

@@ -13,7 +13,7 @@ import huggingface_hub.constants
 import pytest
 from transformers import AutoModelForCausalLM
 
-from trace_lightning.engines import build_engine, policy_logprobs
+from trace_lightning.rollout.engines import build_engine, policy_logprobs
 from trace_lightning.hub import local_model_dir
 from trace_lightning.models import build_tiny_from_corpus
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from trace_lightning.loss import masked_token_logprobs, policy_loss, row_logprobs, token_logprobs
-from trace_lightning.predictor import weighted_squared_error
+from trace_lightning.math.loss import masked_token_logprobs, policy_loss, row_logprobs, token_logprobs
+from trace_lightning.allocation.predictor import weighted_squared_error
 
 RTOL, ATOL = 1e-5, 1e-6
 

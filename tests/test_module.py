@@ -12,10 +12,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-from trace_lightning.loss import policy_loss, token_logprobs
+from trace_lightning.math.loss import policy_loss, token_logprobs
 from trace_lightning.models import tiny_qwen3_config
-from trace_lightning.module import TraceModule, compile_decoder_layers
-from trace_lightning.packing import collate
+from trace_lightning.training.module import TraceModule, compile_decoder_layers
+from trace_lightning.training.packing import collate
 from trace_lightning.tree import LeafSequence, RolloutTree
 
 VOCAB = 97
@@ -268,7 +268,7 @@ def test_gradient_norm_is_logged_without_clipping(policy_dir):
 def test_a_mini_batch_without_policy_tokens_does_not_move_the_weights(policy_dir):
     """A step with fewer leaves than mini-batches leaves filler-only mini-batches: Adam's
     moments and weight decay would still move every weight, and the lr schedule advance."""
-    from trace_lightning.packing import equalise_over_ranks
+    from trace_lightning.training.packing import equalise_over_ranks
 
     real = _minibatch(6)
     filler = equalise_over_ranks([real, {"micro": [], "n_tokens": 0.0}], pad_id=0)[1]
@@ -339,8 +339,8 @@ def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
     computation gives (the weights have not moved)."""
     import types
 
-    from trace_lightning import features
-    from trace_lightning import module as module_lib
+    from trace_lightning.math.solvers import features
+    from trace_lightning.training import module as module_lib
 
     ran: list[list[int]] = []  # every prompt or tree unit the policy featurised
     last_hidden_at, layout = features._last_hidden_at, features.layout

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trace_lightning.calibration import brier_skill
-from trace_lightning.features import Featuriser, bag_node_features, node_features, prompt_features
-from trace_lightning.predictor import (
+from trace_lightning.math.calibration import brier_skill
+from trace_lightning.allocation.features import Featuriser, bag_node_features, node_features, prompt_features
+from trace_lightning.allocation.predictor import (
     PredictorBatch,
     ReplayBuffer,
     SuccessPredictor,

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from test_module import _minibatch, mixed_trees, policy_dir  # noqa: F401 (a fixture)
-from trace_lightning.module import TraceModule
-from trace_lightning.strategies import CPUFSDPStrategy
+from trace_lightning.training.module import TraceModule
+from trace_lightning.training.strategies import CPUFSDPStrategy
 
 
 def _fit(root, module: TraceModule, epochs: int, callback: L.Callback, ckpt=None,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from trace_lightning.datasets import load_qa
-from trace_lightning.retrieval import BM25Retriever, Passage, load_corpus
-from trace_lightning.retrieval.bm25 import default_cache_dir
+from trace_lightning.tasks.search_qa.datasets import load_qa
+from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, Passage, load_corpus
+from trace_lightning.tasks.search_qa.retrieval.bm25 import default_cache_dir
 
 
 def recall_at(retriever: BM25Retriever, examples, k: int) -> float:
@@ -193,7 +193,7 @@ def test_importing_bm25_keeps_jax_off_the_gpu():
     # bm25s imports JAX (when installed) and runs a top-k at import; XLA's default then takes
     # 75% of every GPU (105 of 140 GiB on the H200). Our import must have JAX on the CPU,
     # allocating on demand, unless the process chose otherwise before importing us.
-    code = ("import os, trace_lightning.retrieval.bm25; "
+    code = ("import os, trace_lightning.tasks.search_qa.retrieval.bm25; "
             "print(os.environ['JAX_PLATFORMS'], os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])")
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE")}

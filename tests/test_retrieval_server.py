@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from launch import free_port
-from trace_lightning.datasets import load_qa
-from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Passage, RetrieverError
-from trace_lightning.retrieval.server import Limits, make_server, serve_in_thread
+from trace_lightning.tasks.search_qa.datasets import load_qa
+from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, HTTPRetriever, Passage, RetrieverError
+from trace_lightning.tasks.search_qa.retrieval.server import Limits, make_server, serve_in_thread
 
 LIMITS = {"max_queries": 8, "max_query_chars": 200, "topk_max": 20}
 
@@ -234,7 +234,7 @@ def test_bare_documents_are_accepted_and_5xx_is_retried():
 def test_console_entry_serves_a_corpus(shared_data, tmp_path):
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "trace_lightning.retrieval.server", "--corpus",
+        [sys.executable, "-m", "trace_lightning.tasks.search_qa.retrieval.server", "--corpus",
          str(shared_data / "2wikimultihopqa" / "corpus.jsonl"), "--port", str(port),
          "--cache-dir", str(tmp_path), "--topk-max", "7"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -256,7 +256,7 @@ def test_console_entry_serves_a_corpus(shared_data, tmp_path):
 
 
 def test_environment_cuts_queries_to_what_the_server_takes(server_url):
-    from trace_lightning.environment import SearchEnvironment
+    from trace_lightning.tasks.search_qa.environment import SearchEnvironment
     from trace_lightning.models import AGENT_TAGS, train_tokenizer
 
     tokenizer = train_tokenizer(["who directed the film", " ".join(AGENT_TAGS)], 300,
@@ -384,7 +384,7 @@ def test_port_in_use_names_the_flag(shared_data, tmp_path, capsys):
 
 def retriever_main_error(argv: list[str], capsys) -> str:
     """Run ``trace-lightning-retriever`` in process; it must exit with status 2 -> stderr."""
-    from trace_lightning.retrieval.server import main
+    from trace_lightning.tasks.search_qa.retrieval.server import main
 
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -429,7 +429,7 @@ def test_a_taken_port_is_named_before_the_corpus_is_read(tmp_path, capsys):
 def test_a_port_taken_while_the_index_is_built_is_one_line(tmp_path, capsys, monkeypatch):
     """Binding does not reserve the port (SO_REUSEADDR): a server that starts listening on it
     while our index is built makes our listen fail; that is a message, not a traceback."""
-    from trace_lightning.retrieval import server as server_module
+    from trace_lightning.tasks.search_qa.retrieval import server as server_module
 
     (tmp_path / "c.jsonl").write_text('{"id": "1", "title": "A", "text": "alpha beta"}\n')
     port = free_port()
@@ -579,7 +579,7 @@ def test_a_server_that_stays_down_is_given_up_after_reconnect_wait_s():
 def test_a_long_reconnect_wait_backs_off_without_overflow(monkeypatch):
     """Two hours of refused connections on a fake clock: over 1,400 tries at the 5 s cap
     (2 ** 1024 overflowed a float after about 1,000), then the error, not an OverflowError."""
-    from trace_lightning.retrieval import client as client_module
+    from trace_lightning.tasks.search_qa.retrieval import client as client_module
 
     clock = [0.0]
     monkeypatch.setattr(client_module.time, "monotonic", lambda: clock[0])
@@ -788,7 +788,7 @@ def test_connections_over_max_connections_are_answered_503(wiki_retriever, quest
 
 
 def test_help_documents_every_limit(capsys):
-    from trace_lightning.retrieval.server import main
+    from trace_lightning.tasks.search_qa.retrieval.server import main
 
     with pytest.raises(SystemExit):
         main(["--help"])

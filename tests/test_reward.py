@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trace_lightning.reward import (exact_match, f1_score, normalize_answer, reward_from_scores,
+from trace_lightning.tasks.search_qa.reward import (exact_match, f1_score, normalize_answer, reward_from_scores,
                                     score_answer)
 
 

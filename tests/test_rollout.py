@@ -23,13 +23,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trace_lightning.datasets import load_qa
+from trace_lightning.tasks.search_qa.datasets import load_qa
 from trace_lightning.tasks.base import Example
-from trace_lightning.engines import HFEngine, SamplingConfig, build_engine, make_probe, sync_weights
-from trace_lightning.environment import SearchEnvironment, parse_turn
+from trace_lightning.rollout.engines import HFEngine, SamplingConfig, build_engine, make_probe, sync_weights
+from trace_lightning.tasks.search_qa.environment import SearchEnvironment, parse_turn
 from trace_lightning.models import build_tiny_from_corpus
-from trace_lightning.retrieval import BM25Retriever, RetrieverError
-from trace_lightning.rollout import AgentLoop, Start
+from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, RetrieverError
+from trace_lightning.rollout.agent import AgentLoop, Start
 from trace_lightning.tree import Budget, RolloutTree
 
 BLOCK = 32  # the engine's KV block; the prefix cache reuses whole blocks only
@@ -454,8 +454,8 @@ def test_collect_step_rolls_out_the_agreed_root_plan(vllm_random, retriever, tok
     agreed prompts, whatever this process planned; stage 1 is recorded per tree."""
     from dataclasses import replace
 
-    from trace_lightning.allocators import Allocator
-    from trace_lightning.collect import collect_step
+    from trace_lightning.allocation.allocators import Allocator
+    from trace_lightning.rollout.step import collect_step
 
     alloc = Allocator("uniform", roots=8, continuations=0, max_rollouts_per_prompt=4,
                       group_size=4)  # plans the first 2 candidates, 4 rollouts each
@@ -629,10 +629,10 @@ def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, 
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-    from trace_lightning.allocators import Allocator
-    from trace_lightning.collect import collect_step
+    from trace_lightning.allocation.allocators import Allocator
+    from trace_lightning.rollout.step import collect_step
     from trace_lightning.collectives import any_rank, from_rank0
-    from trace_lightning.features import node_features
+    from trace_lightning.allocation.features import node_features
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
@@ -756,7 +756,7 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
     turn count (depth 0) would score every prefix 0.289. Probes cost no budget and leave the
     trees as they were; a node already predicted is not probed again.
     """
-    from trace_lightning.collect import oracle_predict
+    from trace_lightning.rollout.step import oracle_predict
 
     env = make_env(tokenizer, retriever, max_turns=3)
     yes_no = [e for e in examples if e.answers[0] in ("yes", "no")]
@@ -800,8 +800,8 @@ def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokeni
     round robin (rollouts 2 and 3 of each tree, after stage 1's 0 and 1). With three turns
     each continuation hangs under a planned prefix of a bare rollout, in that rollout's
     subtree, and a tree's leaves are its bare rollouts plus its continuations."""
-    from trace_lightning.allocators import Allocator
-    from trace_lightning.collect import collect_step
+    from trace_lightning.allocation.allocators import Allocator
+    from trace_lightning.rollout.step import collect_step
 
     alloc = Allocator("random_tree", roots=4, continuations=1, max_rollouts_per_prompt=4,
                       group_size=2)

@@ -9,7 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import wrap
 
-from trace_lightning.strategies import CPUFSDPStrategy
+from trace_lightning.training.strategies import CPUFSDPStrategy
 
 
 class Block(nn.Module):
@@ -62,7 +62,7 @@ def test_mixed_precision_keeps_buffers_and_gradient_reduction_in_fp32():
     from lightning.pytorch.plugins.precision import FSDPPrecision
     from torch.distributed.fsdp import MixedPrecision
 
-    from trace_lightning.strategies import TraceFSDPStrategy
+    from trace_lightning.training.strategies import TraceFSDPStrategy
 
     def config(precision: str, **kwargs) -> MixedPrecision:
         strategy = TraceFSDPStrategy(**kwargs)

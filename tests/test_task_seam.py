@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 
 from trace_lightning.data import TraceDataModule
-from trace_lightning.data_config import DemoConfig, EnvConfig
+from trace_lightning.tasks.search_qa.config import DemoConfig, EnvConfig
 from trace_lightning.learner import Learner, learner_of
 from trace_lightning.tasks.base import Task, TaskData, Turn
 from trace_lightning.tasks.search_qa.data import SearchQAData
@@ -38,7 +38,7 @@ def test_the_task_s_sequence_limit_bounds_the_micro_batches():
 
 
 def test_search_environment_is_a_task():
-    from trace_lightning.environment import SearchEnvironment
+    from trace_lightning.tasks.search_qa.environment import SearchEnvironment
 
     for name in ("prompt", "parse", "execute", "score"):
         assert callable(getattr(SearchEnvironment, name))
@@ -63,7 +63,7 @@ def test_the_datamodule_names_what_a_module_lacks():
 
 
 def test_trace_module_is_a_learner():
-    from trace_lightning.module import TraceModule
+    from trace_lightning.training.module import TraceModule
 
     module = TraceModule(policy_path="unused")
     assert isinstance(module, Learner)

@@ -18,15 +18,15 @@ import torch
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from trace_lightning.advantage import ADVANTAGE_KINDS, assign_advantages
-from trace_lightning.features import node_features
-from trace_lightning.loss import weighted_policy_loss
+from trace_lightning.math.advantage import ADVANTAGE_KINDS, assign_advantages
+from trace_lightning.allocation.features import node_features
+from trace_lightning.math.loss import weighted_policy_loss
 from trace_lightning.models import tiny_qwen3_config
-from trace_lightning.module import TraceModule
-from trace_lightning.packing import collate, pack_microbatches
+from trace_lightning.training.module import TraceModule
+from trace_lightning.training.packing import collate, pack_microbatches
 from trace_lightning.tree import RolloutTree
-from trace_lightning.tree_attention import TREE_SDPA, node_plan, tree_attention_mask
-from trace_lightning.tree_packing import (WEIGHT_KEYS, collate_units, layout, pack_rows,
+from trace_lightning.training.tree_attention import TREE_SDPA, node_plan, tree_attention_mask
+from trace_lightning.training.tree_packing import (WEIGHT_KEYS, collate_units, layout, pack_rows,
                                           split_ends, unique_tokens, update_units)
 
 VOCAB = 61
@@ -256,7 +256,7 @@ def test_a_mask_that_shows_a_sibling_is_caught(model_state):
     """Letting a token see the siblings laid out before it (plain causal attention over the
     packed row; or a node plan whose paths hold an earlier sibling's tokens) gives other
     log-probs: the comparisons above can fail."""
-    from trace_lightning.tree_packing import node_paths
+    from trace_lightning.training.tree_packing import node_paths
 
     trees = hand_trees()
     seqs = sequences(trees, "grpo")
@@ -389,7 +389,7 @@ def test_ppo_epochs_pass_over_every_tree_each_time_in_fresh_splits():
     whole trees per mini-batch, split afresh each pass; the divisor is the pass's pairs."""
     from types import SimpleNamespace
 
-    from trace_lightning.collect import RolloutStep
+    from trace_lightning.rollout.step import RolloutStep
     from trace_lightning.data import TraceDataModule
     from trace_lightning.tree import Budget
 
@@ -427,7 +427,7 @@ def test_flex_attention_block_mask_gives_the_sdpa_mask_log_probs(model_state):
     """On CUDA, "auto" attention is FlexAttention with a block mask of the same tree; its
     forward runs on CPU too (its backward does not), so the mask is checked here: the same
     log-probs as the SDPA mask's (compiling it takes about 30 s)."""
-    from trace_lightning.module import flex_attention_available
+    from trace_lightning.training.module import flex_attention_available
 
     if not flex_attention_available():
         pytest.skip("this torch/transformers has no FlexAttention")

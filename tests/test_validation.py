@@ -1,9 +1,9 @@
-"""trace_lightning/validation.py: one held-out trajectory's scores."""
+"""trace_lightning/rollout/validation.py: one held-out trajectory's scores."""
 
 from __future__ import annotations
 
 from trace_lightning.tree import RolloutTree
-from trace_lightning.validation import val_row
+from trace_lightning.rollout.validation import val_row
 
 
 def _episode(last_finish: str) -> tuple[RolloutTree, int]:

@@ -11,18 +11,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-from trace_lightning.datasets import load_qa
-from trace_lightning.demo.prepare import DEMO_INSTRUCTION, DemoPaths, demo_env, prepare_demo
-from trace_lightning.demo.warm_start import (
+from trace_lightning.tasks.search_qa.datasets import load_qa
+from trace_lightning.tasks.search_qa.demo.prepare import DEMO_INSTRUCTION, DemoPaths, demo_env, prepare_demo
+from trace_lightning.tasks.search_qa.demo.warm_start import (
     batch_order,
     collate,
     gold_trees,
     sft_loss,
     warm_start,
 )
-from trace_lightning.demo.world import generate_world, gold_turns, vocabulary_text
+from trace_lightning.tasks.search_qa.demo.world import generate_world, gold_turns, vocabulary_text
 from trace_lightning.models import AGENT_TAGS, build_tiny_model, tiny_qwen3_config, train_tokenizer
-from trace_lightning.retrieval import load_corpus
+from trace_lightning.tasks.search_qa.retrieval import load_corpus
 
 SIZES = {"n_people": 40, "n_cities": 10, "n_countries": 4, "n_companies": 10}
 MODEL = {"hidden_size": 64, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 32,
@@ -250,7 +250,7 @@ def test_prepare_demo_finds_a_built_demo_without_the_lock_and_builds_where_flock
     import errno
     import fcntl
 
-    import trace_lightning.demo.prepare as prepare_module
+    import trace_lightning.tasks.search_qa.demo.prepare as prepare_module
 
     def no_flock(*args):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -298,7 +298,7 @@ def test_prepare_demo_held_out_skips_questions_training_asks(tmp_path):
 
 def test_prepare_demo_rebuild_keeps_the_old_world_until_the_new_one_is_complete(
         tmp_path, monkeypatch):
-    import trace_lightning.demo.prepare as prepare_module
+    import trace_lightning.tasks.search_qa.demo.prepare as prepare_module
 
     kwargs = _demo_kwargs()
     paths = prepare_demo(tmp_path / "demo", **kwargs)

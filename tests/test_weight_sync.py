@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trace_lightning.engines import (
+from trace_lightning.rollout.engines import (
     SamplingConfig,
     WeightSyncError,
     build_engine,
@@ -268,7 +268,7 @@ def test_policy_weights_gathered_one_fsdp1_unit_at_a_time(model_dir, policy, tmp
 def test_weight_chunks_cut_the_stream_by_bytes():
     """vLLM on CUDA loads the stream in chunks: at most ``max_bytes`` each (a larger tensor
     alone), in order, each taken from the stream only when needed."""
-    from trace_lightning.engines.vllm_engine import weight_chunks
+    from trace_lightning.rollout.engines.vllm_engine import weight_chunks
 
     taken = []
 
@@ -299,7 +299,7 @@ def test_weight_chunks_of_a_tied_model_load_through_vllms_loader():
     )
     from vllm.model_executor.models.utils import AutoWeightsLoader
 
-    from trace_lightning.engines.vllm_engine import weight_chunks
+    from trace_lightning.rollout.engines.vllm_engine import weight_chunks
 
     def holding(cls, weight):  # vLLM's layer class, with the weight alone (no TP groups)
         layer = cls.__new__(cls)

@@ -1,34 +1,26 @@
-"""trace-lightning: TRACE tree rollout allocation for RL on LLM search agents, on Lightning.
+"""trace-lightning: TRACE tree rollout allocation for RL on LLM agents, on Lightning.
 
-Layout (one small module per idea):
-    tree         the rollout tree: the one data model from sampling to loss
-    environment  the search agent's format, parsing and observations
-    reward       EM / F1 over gold aliases (SQuAD normalisation)
-    retrieval/   BM25 index, Search-R1 retrieval server and HTTP client
-    datasets     QA JSONL loading (our schema and FlashRAG's); jsonl: line-by-line reading
-    hub          a policy path or hub id as a local directory
-    engines/     rollout engines (vLLM, transformers) and checked weight sync
-    rollout      the agent loop that grows trees
-    allocation   TRACE's root and prefix solvers (pure functions)
-    allocators   uniform / random_tree / prompt / trace / oracle budget plans
-    features     prefix features for the predictor (policy hidden states, bag of tokens)
-    predictor    the shared success predictor V(H): model, targets, replay, fit
-    history      each prompt's past outcomes as a prior for its root prediction
-    calibration  Brier, ECE, rank correlation, reliability curves
-    advantage    tree-aware advantages (Tree-GRPO, TreePO, per-segment, GRPO)
-    loss         clipped surrogate, token log-probs, predictor loss
-    packing      token-budget micro-batches
-    collect      one RL step: candidates -> allocation -> trees -> sequences
-    collectives  gathers and broadcast across ranks (module and data module)
-    logs         scalars straight to the loggers at Lightning's step (once per RL step)
-    data         TraceDataModule (rollouts each epoch); data_config: its typed sections
-    validation   validation rows (QA scores per trajectory), sampled afresh each pass
-    module       TraceModule (policy + predictor, the update)
-    cli          the `trace-lightning` LightningCLI
-    export       the trained policy as a Hugging Face directory
-    strategies   TraceFSDPStrategy (fp32 buffers and reductions), CPUFSDPStrategy
-    models       a tiny Qwen3 and a BPE tokenizer trained here
-    demo/        the generated multi-hop demo world and its warm start
+Layout, by part (one small module per idea):
+
+    tree.py        the rollout tree: the one data model from sampling to loss
+    data.py        TraceDataModule: the engine, the RL step and validation each epoch
+    learner.py     what the DataModule asks of the LightningModule (the Learner protocol)
+    cli.py         the `trace-lightning` LightningCLI
+    math/          the pure math: allocation solvers, advantages, the loss, calibration
+    allocation/    who gets how many rollouts: allocators and the prefix planner, the
+                   shared success predictor, its features, each prompt's history
+    rollout/       sampling: the agent loop (agent), one RL step (step), validation
+                   rollouts, the engines (vLLM, transformers) and their checked weight sync
+    tasks/         what the agent does: the Task / TaskData seam (base), search QA
+                   (Search-R1 format, EM/F1, QA loaders, BM25 and the retrieval server, the
+                   generated demo world) and arithmetic with a calculator (calc)
+    training/      the update: TraceModule, tree packing and its attention, mini-batches,
+                   FSDP strategies, checkpoints and the policy's export
+    collectives, logs, jsonl, hub, models: gathers across ranks, scalars to the loggers,
+    JSONL files, policy paths and hub ids, the tiny Qwen3 and tokenizer built here
+
+Where to change the task, the allocation rule, the advantage or the engine:
+docs/extending.md.
 """
 
 __version__ = "0.1.0"

@@ -47,8 +47,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa:
 
 from callbacks._common import RolloutCallback  # noqa: E402
 from trace_lightning.data import TraceDataModule  # noqa: E402
-from trace_lightning.export import checkpoint_meta  # noqa: E402
-from trace_lightning.module import TraceModule  # noqa: E402
+from trace_lightning.training.export import checkpoint_meta  # noqa: E402
+from trace_lightning.training.module import TraceModule  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +383,7 @@ def last_checkpoint(trainer: Trainer) -> tuple[Path | None, list[str], list[str]
     A ``ModelCheckpoint`` with a ``dirpath`` saves there; one without saves under the first
     logger's ``<save_dir>/<name>/<version>/checkpoints`` (every version is searched), or
     ``<default_root_dir>/checkpoints`` without a logger."""
-    from trace_lightning.checkpoints import load_problem
+    from trace_lightning.training.checkpoints import load_problem
 
     patterns: list[str] = []
     for cb in trainer.checkpoint_callbacks:

@@ -26,23 +26,23 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from trace_lightning.allocators import Allocator
-from trace_lightning.collect import RolloutStep, collect_step, oracle_predict
+from trace_lightning.allocation.allocators import Allocator
+from trace_lightning.rollout.step import RolloutStep, collect_step, oracle_predict
 from trace_lightning.collectives import (all_gather_list, any_rank, fail_together, from_rank0,
                                          raise_together)
-from trace_lightning.data_config import DemoConfig, EnvConfig, EvalSet
-from trace_lightning.engines.config import EngineConfig
-from trace_lightning.engines.base import SamplingConfig
-from trace_lightning.export import checkpoint_meta
+from trace_lightning.tasks.search_qa.config import DemoConfig, EnvConfig, EvalSet
+from trace_lightning.rollout.engines.config import EngineConfig
+from trace_lightning.rollout.engines.base import SamplingConfig
+from trace_lightning.training.export import checkpoint_meta
 from trace_lightning.hub import local_model_dir
 from trace_lightning.learner import learner_of
-from trace_lightning.packing import equalise_over_ranks, leaf_minibatches
-from trace_lightning.rollout import AgentLoop, sample_trees
+from trace_lightning.training.packing import equalise_over_ranks, leaf_minibatches
+from trace_lightning.rollout.agent import AgentLoop, sample_trees
 from trace_lightning.tasks.base import Example, TaskData
 from trace_lightning.tasks.search_qa.data import SearchQAData
 from trace_lightning.tree import RolloutTree, write_jsonl
-from trace_lightning.tree_packing import tree_minibatches, update_units
-from trace_lightning.validation import resampled_loader, val_row
+from trace_lightning.training.tree_packing import tree_minibatches, update_units
+from trace_lightning.rollout.validation import resampled_loader, val_row
 
 # the search-QA task's own flags (TraceDataModule's arguments for it)
 SEARCH_QA_FLAGS = ("train", "corpus", "retriever_url", "val", "env", "demo")
@@ -266,7 +266,7 @@ class TraceDataModule(L.LightningDataModule):
     def _check_checkpoint(self) -> None:
         """The checkpoint of ``expect_checkpoint`` is on this process's file system, and
         holds what this run will load (``checkpoints.check_checkpoint``)."""
-        from trace_lightning.checkpoints import check_checkpoint
+        from trace_lightning.training.checkpoints import check_checkpoint
 
         path, error = self._checkpoint or (None, None)
         if error is not None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from trace_lightning.collect import RolloutStep
+    from trace_lightning.rollout.step import RolloutStep
     from trace_lightning.tree import RolloutTree
 
 

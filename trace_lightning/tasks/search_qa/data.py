@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from trace_lightning.data_config import DemoConfig, EnvConfig, EvalSet
-from trace_lightning.datasets import load_qa
-from trace_lightning.environment import SEARCH_R1_INSTRUCTION, SearchEnvironment
-from trace_lightning.retrieval import BM25Retriever, HTTPRetriever, Retriever
+from trace_lightning.tasks.search_qa.config import DemoConfig, EnvConfig, EvalSet
+from trace_lightning.tasks.search_qa.datasets import load_qa
+from trace_lightning.tasks.search_qa.environment import SEARCH_R1_INSTRUCTION, SearchEnvironment
+from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, HTTPRetriever, Retriever
 from trace_lightning.tasks.base import Example, TaskData
 
 
@@ -89,7 +89,7 @@ class SearchQAData(TaskData):
     def _check_policy(self, policy_path: str) -> None:
         """The demo trains its own policy: ``--model.policy_path`` must be it."""
         if self.demo is not None:
-            from trace_lightning.demo.prepare import DemoPaths
+            from trace_lightning.tasks.search_qa.demo.prepare import DemoPaths
 
             model_dir = DemoPaths.under(self.demo.out_dir).model
             if Path(policy_path).resolve() != model_dir.resolve():
@@ -135,7 +135,7 @@ class SearchQAData(TaskData):
             self._check_retriever()
         self._check_policy(policy_path)
         if self.demo is not None:
-            from trace_lightning.demo.prepare import prepare_demo
+            from trace_lightning.tasks.search_qa.demo.prepare import prepare_demo
 
             prepare_demo(self.demo.out_dir, seed=self.demo.seed, eval_seed=self.demo.eval_seed,
                          warm_start_steps=self.demo.warm_start_steps, **self.demo.options)
@@ -145,7 +145,7 @@ class SearchQAData(TaskData):
         """The questions read and the corpora indexed on this process, failing before the
         engine starts (a bad line, a missing file, a server that does not answer)."""
         if self.demo is not None:
-            from trace_lightning.demo.prepare import DemoPaths
+            from trace_lightning.tasks.search_qa.demo.prepare import DemoPaths
 
             paths = DemoPaths.under(self.demo.out_dir)
             self.train_path, self.corpus = str(paths.train_qa), str(paths.train_corpus)

@@ -1,0 +1,444 @@
+"""Allocation strategies: who gets how many rollouts (stage 1) and continuations (stage 2).
+
+Every kind spends the same number of leaves (complete trajectories) per step, so methods
+compare at equal sampling cost. With ``M = roots`` and ``N = continuations`` (the paper's
+budget ``(M, N)``)::
+
+    L = M (1 + N)                 leaves per step, for every kind
+
+    uniform      (GRPO)           L/G prompts x G rollouts, no branching
+    random_tree  (TreePO)         M/G prompts x G bare rollouts; m_i N continuations each,
+                                  from prefixes drawn uniformly at random (with replacement)
+    prompt       (PCL-like)       solve_roots with budget L on predictions, no branching
+    trace        (TRACE)          solve_roots with budget M, then solve_prefixes with budget
+                                  m_i N per prompt on (r, p) = (bare rollout's reward,
+                                  prediction at the prefix)
+    oracle                        trace on true success probabilities instead of predictions
+
+(``G = group_size``.) Budget a prompt cannot use for continuations (all its rollouts were
+single-turn, or its prefixes are capped) is pooled and spent on other prompts' prefixes; see
+``PrefixPlanner``.
+
+Exploration (``prompt``, ``trace``, ``oracle``): ``floor(explore_fraction * B / G)`` prompts
+(B the root budget) get G rollouts each, drawn by the allocator's RNG among the prompts the
+solver left out; the solver spends the rest. Cold start (``prompt``, ``trace``): while the
+predictor has trained on fewer than ``cold_start_nodes`` nodes, roots are planned as by
+``uniform`` (``trace``: as by ``random_tree``, random prefixes included), so an untrained
+predictor steers nothing. ``oracle`` never cold-starts: its inputs are not a trained model.
+
+How ``rollout.step.collect_step`` calls it, once per step::
+
+    plan = allocator.plan_roots(len(candidates), predictions, predictor_nodes_seen)
+    # sample plan.rollouts[i] bare rollouts for each candidate i with rollouts[i] > 0
+    planner = allocator.prefix_planner(trees, cold_start=plan.cold_start)
+    # after any turn: the trees whose bare rollouts all ended, scored and (trace) predicted
+    for tree, node, k in planner.plan(done): ...  # sample k continuations from node
+    # once every tree is planned: the pool of budget trees could not use
+    for tree, node, k in planner.spend_pool(): ...
+    # planner.unspent: budget no prefix could take, sampled as extra bare rollouts
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import numpy as np
+
+from trace_lightning.math.solvers import (
+    draw_random,
+    solve_prefixes,
+    solve_roots,
+    spend_pool,
+    spendable_roots,
+    unflatten,
+)
+from trace_lightning.tree import Node, RolloutTree
+
+Kind = Literal["uniform", "random_tree", "prompt", "trace", "oracle"]
+KINDS: tuple[str, ...] = get_args(Kind)
+_BRANCHING = ("random_tree", "trace", "oracle")  # kinds that spend continuations on prefixes
+_SOLVED = ("prompt", "trace", "oracle")  # kinds whose roots come from solve_roots
+
+
+@dataclass
+class RootPlan:
+    """Stage 1: rollouts per candidate prompt, in the candidate list's order."""
+
+    rollouts: list[int]  # m_i per candidate (0 = filtered out)
+    random_picks: list[bool]  # True where the exploration share chose the prompt
+    cold_start: bool = False  # planned as by uniform because the predictor is not trusted yet
+
+    @property
+    def leaves(self) -> int:
+        return sum(self.rollouts)
+
+
+def bare_end(tree: RolloutTree, start: int) -> Node:
+    """Where the bare rollout that starts at the root's child ``start`` ends.
+
+    Its chain follows each node's first child (the bare rollout's own next turn;
+    continuations are added later) to its leaf, or to the node it stopped at unfinished.
+    """
+    node = tree.nodes[start]
+    while not node.finished and node.children:
+        node = tree.nodes[node.children[0]]
+    return node
+
+
+def bare_reward(tree: RolloutTree, rollout: int) -> float:
+    """The terminal reward of bare rollout ``rollout``'s own chain (``bare_end``); raises
+    unless that rollout is finished and scored."""
+    starts = [i for i in tree.root.children if tree.nodes[i].rollout == rollout]
+    if len(starts) != 1:
+        raise ValueError(f"tree {tree.tree_id} has {len(starts)} bare rollouts with index "
+                         f"{rollout}; expected exactly one")
+    node = bare_end(tree, starts[0])
+    if not node.finished:
+        raise ValueError(f"bare rollout {rollout} of tree {tree.tree_id} stops at unfinished "
+                         f"node {node.id}; finish the bare rollouts before planning "
+                         f"continuations")
+    if node.reward is None:
+        raise ValueError(f"leaf {node.id} of tree {tree.tree_id} has no reward; score the bare "
+                         f"rollouts before planning continuations")
+    return float(node.reward)
+
+
+class Allocator:
+    """Plans each step's rollouts and continuations at equal leaves per step.
+
+    Args:
+        kind: ``uniform`` (GRPO), ``random_tree`` (TreePO random node), ``prompt`` (PCL-like
+            root filtering), ``trace`` (roots + prefixes by predicted success) or ``oracle``
+            (trace on true success probabilities).
+        roots: root budget ``M`` per step (the paper's M).
+        continuations: continuations ``N`` per bare rollout (the paper's N); leaves per step
+            are ``M (1 + N)`` for every kind.
+        max_rollouts_per_prompt: most bare rollouts one prompt may get (``m_max``).
+        group_size: rollouts per prompt for uniform schedules, exploration and cold start.
+        prompts_per_step: most prompts opened per step (None: no limit).
+        explore_fraction: share of the root budget given to random prompts (solved kinds).
+        cold_start_nodes: predictor training nodes needed before ``prompt``/``trace`` trust it.
+        max_continuations_per_prefix: most continuations from one prefix (None: no limit).
+        seed: seed of the allocator's RNGs: one for exploration picks, drawn in
+            ``plan_roots`` (identically on every rank: all plan the same global step), one
+            for random prefixes, drawn once per step by ``PrefixPlanner`` to seed its
+            per-prompt generators (per rank, over its own trees, so its draws differ between
+            ranks and must not move the exploration stream); ``start_step`` reseeds the latter
+            from (seed, step, rank).
+    """
+
+    def __init__(self, kind: Kind, roots: int, continuations: int, max_rollouts_per_prompt: int,
+                 group_size: int, prompts_per_step: int | None = None,
+                 explore_fraction: float = 0.0, cold_start_nodes: int = 0,
+                 max_continuations_per_prefix: int | None = None, seed: int = 0) -> None:
+        f = "--data.allocator."
+        if kind not in KINDS:
+            raise ValueError(f"{f}kind ({kind!r}) is unknown; expected one of {', '.join(KINDS)}")
+        if roots < 2:
+            raise ValueError(f"{f}roots ({roots}) must be >= 2: a prompt needs two rollouts "
+                             f"for any contrast")
+        if continuations < 0:
+            raise ValueError(f"{f}continuations ({continuations}) must be >= 0")
+        if continuations == 0 and kind in _BRANCHING:
+            raise ValueError(f"{f}continuations (0) must be >= 1 when kind is {kind!r}; set it "
+                             f"or use kind 'prompt' (or 'uniform') for no branching")
+        if group_size < 2:
+            raise ValueError(f"{f}group_size ({group_size}) must be >= 2: a group of one has no "
+                             f"contrast")
+        if max_rollouts_per_prompt < 2:
+            raise ValueError(f"{f}max_rollouts_per_prompt ({max_rollouts_per_prompt}) must be "
+                             f">= 2: an opened prompt gets at least 2 rollouts")
+        if group_size > max_rollouts_per_prompt:
+            raise ValueError(f"{f}group_size ({group_size}) exceeds {f}max_rollouts_per_prompt "
+                             f"({max_rollouts_per_prompt}); raise the maximum or lower the group")
+        if not 0.0 <= explore_fraction < 1.0:
+            raise ValueError(f"{f}explore_fraction ({explore_fraction}) must be in [0, 1)")
+        if cold_start_nodes < 0:
+            raise ValueError(f"{f}cold_start_nodes ({cold_start_nodes}) must be >= 0")
+        if max_continuations_per_prefix is not None and max_continuations_per_prefix < 1:
+            raise ValueError(f"{f}max_continuations_per_prefix ({max_continuations_per_prefix}) "
+                             f"must be >= 1 or null (no cap)")
+        if prompts_per_step is not None and prompts_per_step < 1:
+            raise ValueError(f"{f}prompts_per_step ({prompts_per_step}) must be >= 1 or null")
+        self.kind = kind
+        self.roots = roots
+        self.continuations = continuations
+        self.max_rollouts_per_prompt = max_rollouts_per_prompt
+        self.group_size = group_size
+        self.prompts_per_step = prompts_per_step
+        self.explore_fraction = explore_fraction
+        self.cold_start_nodes = cold_start_nodes
+        self.max_continuations_per_prefix = max_continuations_per_prefix
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)  # random prefixes (rank-local draws)
+        self._explore_rng = np.random.default_rng([seed, 1])  # exploration (global draws)
+
+        # the uniform schedule this kind may use: L/G (uniform, prompt) or M/G prompts of G
+        can_be_uniform = kind in ("uniform", "random_tree") or (
+            kind in ("prompt", "trace") and cold_start_nodes > 0)
+        if can_be_uniform:
+            budget = self.root_budget
+            if budget % group_size:
+                what = f"{f}roots * (1 + {f}continuations)" if budget != roots else f"{f}roots"
+                why = "" if kind in ("uniform", "random_tree") else " (cold start plans uniformly)"
+                raise ValueError(f"{what} ({budget}) must be a multiple of {f}group_size "
+                                 f"({group_size}) when kind is {kind!r}{why}: every prompt gets "
+                                 f"group_size rollouts; change {f}roots or {f}group_size")
+            if prompts_per_step is not None and prompts_per_step < budget // group_size:
+                raise ValueError(f"{f}prompts_per_step ({prompts_per_step}) is below the "
+                                 f"{budget // group_size} prompts of {group_size} rollouts that "
+                                 f"kind {kind!r} opens; raise it or set it to null")
+        if kind in _SOLVED:
+            n_explore = self.n_explore
+            if prompts_per_step is not None and n_explore >= prompts_per_step:
+                raise ValueError(f"{f}explore_fraction ({explore_fraction}) opens {n_explore} "
+                                 f"random prompts, leaving none of {f}prompts_per_step "
+                                 f"({prompts_per_step}) to the solver; lower it")
+            solve = self.root_budget - n_explore * group_size
+            k = None if prompts_per_step is None else prompts_per_step - n_explore
+            if spendable_roots(solve, solve, max_rollouts_per_prompt, k) != solve:
+                raise ValueError(
+                    f"the solver's root budget ({solve} = {self.root_budget} minus {n_explore} "
+                    f"exploration prompts x {group_size}) cannot be spent exactly with "
+                    f"{f}max_rollouts_per_prompt ({max_rollouts_per_prompt}) and "
+                    f"{f}prompts_per_step ({prompts_per_step}); raise either, or change "
+                    f"{f}roots / {f}explore_fraction")
+
+    # ---- budgets ---------------------------------------------------------------------------
+    @property
+    def leaves_per_step(self) -> int:
+        """``L = M (1 + N)``: leaves every kind spends per step."""
+        return self.roots * (1 + self.continuations)
+
+    @property
+    def branches(self) -> bool:
+        """Whether this kind spends continuations on prefixes (and so has a stage 2)."""
+        return self.kind in _BRANCHING
+
+    @property
+    def predicts(self) -> bool:
+        """Whether this kind plans from success predictions (once out of its cold start)."""
+        return self.kind in _SOLVED
+
+    @property
+    def root_budget(self) -> int:
+        """Bare rollouts per step: ``L`` for kinds without branching, ``M`` otherwise."""
+        return self.roots if self.kind in _BRANCHING else self.leaves_per_step
+
+    @property
+    def n_explore(self) -> int:
+        """Prompts given to exploration: ``floor(explore_fraction * root_budget / G)``."""
+        if self.kind not in _SOLVED:
+            return 0
+        return math.floor(self.explore_fraction * self.root_budget / self.group_size)
+
+    @property
+    def prompts_needed(self) -> int:
+        """Fewest candidates a step can be planned from: ``M/G`` for a uniform schedule (and
+        a cold start), or the prompts that spend the solver's budget at ``m_max`` each plus
+        the exploration prompts, whichever is more."""
+        uniform = self.root_budget // self.group_size
+        if self.kind in ("uniform", "random_tree"):
+            return uniform
+        solve = self.root_budget - self.n_explore * self.group_size
+        solved = -(-solve // self.max_rollouts_per_prompt) + self.n_explore
+        return max(solved, uniform) if self.cold_start_nodes > 0 else solved
+
+    def is_cold(self, predictor_nodes_seen: int) -> bool:
+        return self.kind in ("prompt", "trace") and predictor_nodes_seen < self.cold_start_nodes
+
+    # ---- stage 1 ---------------------------------------------------------------------------
+    def plan_roots(self, n_candidates: int, predictions: Sequence[float] | None = None,
+                   predictor_nodes_seen: int = 0,
+                   prediction_counts: Sequence[float | None] | None = None) -> RootPlan:
+        """Rollouts per candidate prompt.
+
+        Args:
+            n_candidates: size of the step's candidate list (already shuffled by the caller;
+                uniform schedules take its first prompts).
+            predictions: predicted (``oracle``: true) success per candidate; needed by
+                ``prompt``/``trace``/``oracle`` unless cold, ignored otherwise.
+            predictor_nodes_seen: nodes the predictor has trained on (for the cold start).
+            prediction_counts: rollouts each prediction is worth (``Node.prediction_count``;
+                None entries, or None: exact), see ``solve_roots``.
+        """
+        cand = "--data.candidates_per_step"
+        cold = self.is_cold(predictor_nodes_seen)
+        if self.kind in ("uniform", "random_tree") or cold:
+            k = self.root_budget // self.group_size
+            if n_candidates < k:
+                raise ValueError(f"{cand} ({n_candidates}) is below the {k} prompts of "
+                                 f"{self.group_size} rollouts that kind {self.kind!r}"
+                                 f"{' (cold start)' if cold else ''} needs; raise it")
+            rollouts = [self.group_size] * k + [0] * (n_candidates - k)
+            return RootPlan(rollouts=rollouts, random_picks=[False] * n_candidates,
+                            cold_start=cold)
+
+        if predictions is None or len(predictions) != n_candidates:
+            got = "None" if predictions is None else f"{len(predictions)} values"
+            raise ValueError(f"kind {self.kind!r} needs one prediction per candidate "
+                             f"({n_candidates}), got {got}")
+        n_explore = self.n_explore
+        if n_candidates < n_explore:
+            raise ValueError(f"{cand} ({n_candidates}) is below the {n_explore} exploration "
+                             f"prompts of kind {self.kind!r} (explore_fraction "
+                             f"{self.explore_fraction}); raise it")
+        solve = self.root_budget - n_explore * self.group_size
+        k = None if self.prompts_per_step is None else self.prompts_per_step - n_explore
+        # leave the exploration prompts outside the solver's choice
+        k = min(n_candidates - n_explore, n_candidates if k is None else k)
+        rollouts = solve_roots(predictions, solve, self.max_rollouts_per_prompt, k,
+                               counts=prediction_counts)
+        if sum(rollouts) != solve:
+            raise ValueError(f"{cand} ({n_candidates}) is too small: {n_candidates} prompts of at "
+                             f"most {self.max_rollouts_per_prompt} rollouts cannot take the "
+                             f"{solve} rollouts kind {self.kind!r} must spend; raise it")
+        unchosen = [i for i, m in enumerate(rollouts) if m == 0]  # >= n_explore (the cap)
+        picks = (self._explore_rng.choice(len(unchosen), size=n_explore, replace=False)
+                 if n_explore else [])
+        random_picks = [False] * n_candidates
+        for j in sorted(int(x) for x in picks):
+            rollouts[unchosen[j]] = self.group_size
+            random_picks[unchosen[j]] = True
+        return RootPlan(rollouts=rollouts, random_picks=random_picks, cold_start=False)
+
+    # ---- stage 2 ---------------------------------------------------------------------------
+    def prefix_planner(self, trees: Sequence[RolloutTree],
+                       cold_start: bool = False) -> PrefixPlanner:
+        """One step's stage 2 over ``trees`` (in step order), tree by tree (kinds with
+        branching)."""
+        if self.kind not in _BRANCHING:
+            raise ValueError(f"kind {self.kind!r} does not branch: it has no stage 2")
+        return PrefixPlanner(self, cold_start, trees)
+
+    # ---- resume ----------------------------------------------------------------------------
+    def start_step(self, step: int, rank: int = 0) -> None:
+        """Reseed the random-prefix draws from ``(seed, step, rank)``.
+
+        Each rank draws over its own trees, so their streams differ, and a checkpoint holds
+        rank 0's state only: seeded per step, every rank of a resumed run draws what it would
+        have drawn had the run not stopped.
+        """
+        self._rng = np.random.default_rng([self.seed, 2, step, rank])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The RNG states (plain dicts and ints), for an exact resume."""
+        return {"rng": self._rng.bit_generator.state,
+                "explore_rng": self._explore_rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._rng.bit_generator.state = state["rng"]
+        if "explore_rng" in state:  # a state without it: exploration keeps its seeded RNG
+            self._explore_rng.bit_generator.state = state["explore_rng"]
+
+
+class PrefixPlanner:
+    """One step's stage 2, tree by tree: a prompt branches as soon as its bare rollouts end.
+
+    ``plan(trees)`` is phase 1 for those trees: each spends its own ``m_i N`` continuations
+    on its own prefixes (``solve_prefixes``, or random draws for ``random_tree`` and a cold
+    start), so it needs nothing of the trees still running. What a tree cannot use goes to
+    the pool. ``spend_pool()``, once every tree is planned, is phase 2 (``spend_pool``):
+    the pool over every tree's prefixes, in the step's order of trees. The counts do not
+    depend on the order trees finish in: they are those of planning every tree at once, in
+    step order (phase 1 is per tree, and phase 2 starts from it), ties included, and
+    each tree's random draws come from its own generator (seeded from the allocator's RNG,
+    one draw per step, and the tree's position).
+
+    The pool is over this planner's trees: under several processes each rank plans its own
+    share of the prompts, so a rank whose prompts have no prefix left to take it spends it
+    as extra bare rollouts (``collect_step``) even when another rank's prefixes could. The
+    leaves per step stay the same; where the leftover goes depends on how the prompts fall on
+    the ranks (a shared pool would make every rank wait for all ranks' bare rollouts).
+
+    Args:
+        allocator: the step's allocator (a kind with branching).
+        cold_start: the root plan's ``cold_start`` (``trace`` then branches at random).
+        trees: every tree of the step this planner will plan, in step order.
+    """
+
+    def __init__(self, allocator: Allocator, cold_start: bool,
+                 trees: Sequence[RolloutTree]) -> None:
+        self.allocator = allocator
+        self.random = allocator.kind == "random_tree" or cold_start
+        self.trees = list(trees)
+        self._position = {id(t): i for i, t in enumerate(self.trees)}
+        self._base = int(allocator._rng.integers(2**63 - 1)) if self.random else 0
+        n = len(self.trees)
+        self._prefixes: list[list[Node] | None] = [None] * n  # per tree, at planning
+        self._pairs: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # (r, p)
+        self._counts: list[list[int]] = [[] for _ in range(n)]
+        self.pool_returned = 0  # budget trees could not use themselves (alloc/pool_returned)
+        self.unspent = 0  # of that, what no prefix could take (set by spend_pool)
+        self.pool_spent = False
+
+    @property
+    def all_planned(self) -> bool:
+        return all(p is not None for p in self._prefixes)
+
+    def plan(self, trees: Sequence[RolloutTree]) -> list[tuple[RolloutTree, int, int]]:
+        """Phase 1 for ``trees`` (bare rollouts finished and scored; ``trace``/``oracle``:
+        every prefix predicted): ``(tree, node id, continuations)`` to sample, zeros left out."""
+        alloc, cap = self.allocator, self.allocator.max_continuations_per_prefix
+        out = []
+        for t in trees:
+            i = self._position.get(id(t))
+            if i is None or self._prefixes[i] is not None:
+                why = "not one of the planner's trees" if i is None else "already planned"
+                raise ValueError(f"tree {t.tree_id} is {why}; each tree is planned once")
+            nodes = t.prefixes()
+            budget = len(t.bare_rollouts()) * alloc.continuations
+            if self.random:
+                counts = [0] * len(nodes)
+                draw_random(counts, budget, np.random.default_rng([self._base, i]), cap)
+            else:
+                self._pairs[i] = self._pairs_of(t, nodes)
+                counts = solve_prefixes([r for r, _ in self._pairs[i]],
+                                        [p for _, p in self._pairs[i]], budget, cap)
+            self.pool_returned += budget - sum(counts)
+            self._prefixes[i], self._counts[i] = nodes, counts
+            for node, c in zip(nodes, counts):
+                node.continuations = c
+                if c:
+                    out.append((t, node.id, c))
+        return out
+
+    def spend_pool(self) -> list[tuple[RolloutTree, int, int]]:
+        """Phase 2, once every tree is planned: the pool over every tree's prefixes; returns
+        the continuations it adds. ``unspent`` is then what no prefix could take."""
+        if self.pool_spent:
+            raise ValueError("spend_pool runs once per step")
+        if not self.all_planned:
+            raise ValueError("every tree must be planned before spend_pool")
+        self.pool_spent = True
+        cap = self.allocator.max_continuations_per_prefix
+        if self.random:
+            flat = [c for cs in self._counts for c in cs]
+            rng = np.random.default_rng([self._base, len(self.trees)])
+            self.unspent = self.pool_returned - draw_random(flat, self.pool_returned, rng, cap)
+            new = unflatten(flat, [len(cs) for cs in self._counts])
+        else:
+            new, self.unspent = spend_pool(self._pairs, self._counts, self.pool_returned, cap)
+        out = []
+        for t, nodes, old, counts in zip(self.trees, self._prefixes, self._counts, new):
+            for node, c0, c in zip(nodes, old, counts):
+                node.continuations = c
+                if c > c0:
+                    out.append((t, node.id, c - c0))
+        self._counts = new
+        return out
+
+    def _pairs_of(self, t: RolloutTree, nodes: list[Node]) -> list[tuple[float, float]]:
+        """``(r, p)`` per prefix: its bare rollout's reward and its prediction."""
+        rewards = {j: bare_reward(t, j) for j in {t.nodes[i].rollout for i in t.bare_rollouts()}}
+        pairs = []
+        for node in nodes:
+            if node.prediction is None:
+                raise ValueError(f"prefix node {node.id} of tree {t.tree_id} has no "
+                                 f"prediction; run the predictor on every prefix before "
+                                 f"planning its continuations (kind {self.allocator.kind!r})")
+            pairs.append((rewards[node.rollout], float(node.prediction)))
+        return pairs

@@ -1,0 +1,269 @@
+"""Features of prefix histories for the success predictor (``Featuriser``).
+
+- ``hidden`` (default): the policy's last hidden state (after the final norm, before
+  ``lm_head``) at the last token of a node's prefix: the prompt's last token for the root,
+  the last token of a turn (after its observation) for a turn node. A causal model's state at
+  position i depends only on the tokens it attends to, so one forward pass over a tree
+  packed as one sequence (``tree_packing``) gives the feature of every node of the tree
+  (``node_features``).
+- ``bag_of_tokens``: a hashed, L1-normalised bag of the prefix's token ids; no policy forward.
+
+Depth is not part of the feature vector; it enters through the predictor's depth embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Literal
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PretrainedConfig
+
+from trace_lightning.training.packing import pack_lengths
+from trace_lightning.tree import RolloutTree
+from trace_lightning.training.tree_attention import attention_inputs
+from trace_lightning.training.tree_packing import TreeUnit, collate_units, layout, pack_rows, split_ends
+
+NodeKey = tuple[str, int]  # (tree_id, node_id)
+FeaturiserKind = Literal["hidden", "bag_of_tokens"]
+
+# ---- features: hidden ----------------------------------------------------------------------
+@torch.no_grad()
+def _hidden_states(policy: PreTrainedModel, batches: list[dict[str, Tensor]],
+                   take: Callable[[int, Tensor], None]) -> None:
+    """Run the policy's decoder on each batch and hand ``take(i, hidden (B, T, D))`` the final
+    hidden states (after the final norm, before ``lm_head``) of batch ``i``.
+
+    A batch holds ``input_ids`` and, for packed trees, what ``tree_attention.attention_inputs``
+    reads. Runs the decoder body (``policy.get_decoder()``): no vocabulary-sized logits. A
+    policy wrapped whole by FSDP runs through its wrapper instead (the wrapper gathers the
+    embedding and final norm it owns), reads ``hidden_states[-1]`` and keeps the LM head to
+    the last row (``logits_to_keep=1``).
+
+    Under FSDP every forward is a collective (each wrapped layer gathers its shards), yet each
+    rank featurises its own trees: ranks agree on the most forwards any of them needs, and
+    one with fewer (or none) runs one-token forwards to match.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    was_training = policy.training
+    policy.eval()
+    if isinstance(policy, FSDP):
+        def decoder(**kw):
+            # logits_to_keep=1: the LM head runs on one row per sequence, not (B, T, V)
+            out = policy(**kw, output_hidden_states=True, logits_to_keep=1)
+            return SimpleNamespace(last_hidden_state=out.hidden_states[-1])
+        device = next(policy.parameters()).device
+    else:
+        decoder = policy.get_decoder()
+        device = policy.device
+    forwards = len(batches)
+    if isinstance(policy, FSDP) and dist.is_initialized() and dist.get_world_size() > 1:
+        most = torch.tensor([forwards], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        forwards = int(most.item())
+    try:
+        for _ in range(forwards - len(batches)):  # to match other ranks' collectives
+            decoder(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+        for i, batch in enumerate(batches):
+            batch = {k: _to(v, device) for k, v in batch.items()}
+            hidden = decoder(input_ids=batch["input_ids"], use_cache=False,
+                             **attention_inputs(policy, batch)).last_hidden_state  # (B, T, D)
+            take(i, hidden)
+    finally:
+        policy.train(was_training)
+
+
+def _to(value, device):
+    """A batch value on ``device``: a tensor, or the tensors of a ``tree_nodes`` plan."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    return value
+
+
+def _last_hidden_at(policy: PreTrainedModel, sequences: list[list[int]],
+                    positions: list[list[int]], batch_tokens: int) -> list[Tensor]:
+    """The policy's last hidden state of ``sequences[i]`` at each of ``positions[i]``: one
+    float32 CPU tensor (len(positions[i]), D) per sequence.
+
+    Batches are right-padded and passed without an attention mask: under causal attention a
+    real token never sees the padding after it, so its hidden state is the same (tested), and
+    SDPA takes its causal fast path (the module's training forward does the same).
+    """
+    out: list[Tensor] = [torch.empty(0)] * len(sequences)
+    groups = pack_lengths([len(s) for s in sequences], batch_tokens)
+    batches = []
+    for group in groups:
+        ids = torch.zeros(len(group), max(len(sequences[i]) for i in group),
+                          dtype=torch.long)  # (B, T) right-padded
+        for row, i in enumerate(group):
+            ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
+        batches.append({"input_ids": ids})
+
+    def take(g: int, hidden: Tensor) -> None:
+        for row, i in enumerate(groups[g]):
+            pos = torch.tensor(positions[i], device=hidden.device)  # (K,)
+            out[i] = hidden[row, pos].float().cpu()  # (K, D)
+
+    _hidden_states(policy, batches, take)
+    return out
+
+
+def _tips(tree: RolloutTree) -> list[int]:
+    """Nodes without children (leaves, and unfinished ends such as a bare root), in id order."""
+    return [n.id for n in tree.nodes if not n.children]
+
+
+def node_features(policy: PreTrainedModel, trees: list[RolloutTree], batch_tokens: int,
+                  known: Mapping[NodeKey, Tensor] | None = None) -> dict[NodeKey, Tensor]:
+    """``hidden`` features of every node of ``trees``: {(tree_id, node_id): (D,) float32}.
+
+    One forward pass per tree, packed as one sequence (``tree_packing``: every node's tokens
+    once, positions along each path, an attention mask of ancestors); every node is read at
+    its prefix's last token. A tree longer than ``batch_tokens`` splits at subtree boundaries
+    (a node in several parts is read from the first). Nodes in ``known`` are not recomputed,
+    and a tree's branches whose nodes are all known are left out (pass the stage-2 features
+    back in after the continuations).
+
+    Args:
+        policy: a causal LM; run in eval mode without gradients, its mode restored after.
+        trees: rollout trees; every root must hold at least one token.
+        batch_tokens: most padded tokens (rows x longest row) per forward.
+        known: features already computed with the same weights; returned unchanged.
+    """
+    if batch_tokens < 1:
+        raise ValueError(f"batch_tokens ({batch_tokens}) must be >= 1")
+    out: dict[NodeKey, Tensor] = dict(known or {})
+    done: dict[str, set[int]] = {}
+    for tree_id, node_id in out:
+        done.setdefault(tree_id, set()).add(node_id)
+    units: list[TreeUnit] = []
+    wanted: list[list[int]] = []  # per unit: the nodes read from it
+    for tree in trees:
+        if not tree.root.token_ids:
+            raise ValueError(f"tree {tree.tree_id} has an empty prompt; the hidden featuriser "
+                             f"reads the prompt's last token")
+        taken = done.setdefault(tree.tree_id, set())
+        tips = [tip for tip in _tips(tree) if any(n.id not in taken for n in tree.path(tip))]
+        for ends in split_ends(tree, tips, batch_tokens) if tips else []:
+            unit = layout(tree, ends)
+            nodes = [i for i in unit.last if i not in taken]
+            taken.update(nodes)
+            units.append(unit)
+            wanted.append(nodes)
+    groups = pack_rows([len(u) for u in units], batch_tokens)
+    batches, members = [], []
+    for rows in groups:
+        batch = collate_units([[units[j] for j in row] for row in rows], pad_id=0)
+        batches.append({k: batch[k] for k in ("input_ids", "position_ids", "subtree_end",
+                                              "tree_nodes")})
+        members.append([(j, *o) for j, o in zip((j for row in rows for j in row),
+                                                batch["offsets"].tolist())])
+
+    def take(g: int, hidden: Tensor) -> None:
+        for j, row, offset in members[g]:
+            u = units[j]
+            pos = torch.tensor([offset + u.last[i] for i in wanted[j]], device=hidden.device)
+            for i, f in zip(wanted[j], hidden[row, pos].float().cpu()):  # (K, D)
+                out[(u.tree_id, i)] = f  # (D,)
+
+    _hidden_states(policy, batches, take)
+    return out
+
+
+def prompt_features(policy: PreTrainedModel, prompt_ids: list[list[int]],
+                    batch_tokens: int) -> Tensor:
+    """``hidden`` features of candidate prompts (roots before any rollout): (P, D) float32."""
+    if any(not p for p in prompt_ids):
+        raise ValueError("an empty prompt has no last token to read; drop it from the candidates")
+    if not prompt_ids:
+        return torch.zeros(0, policy.config.get_text_config().hidden_size)
+    feats = _last_hidden_at(policy, prompt_ids, [[len(p) - 1] for p in prompt_ids], batch_tokens)
+    return torch.cat(feats)  # (P, D)
+
+
+# ---- features: bag of tokens ---------------------------------------------------------------
+def _bag(token_ids: Sequence[int], buckets: int) -> Tensor:
+    """Unnormalised hashed counts of ``token_ids``: (buckets,)."""
+    ids = torch.tensor(list(token_ids), dtype=torch.long)  # (T,)
+    hashed = (ids * 2654435761) % (1 << 32) % buckets  # (T,) Knuth multiplicative hash
+    return torch.bincount(hashed, minlength=buckets).float()  # (buckets,)
+
+
+def bag_node_features(trees: list[RolloutTree], buckets: int) -> dict[NodeKey, Tensor]:
+    """``bag_of_tokens`` features of every node: the prefix's hashed counts over their sum."""
+    out: dict[NodeKey, Tensor] = {}
+    for tree in trees:
+        counts: list[Tensor] = []
+        for n in tree.nodes:  # a parent always comes before its children
+            c = _bag(n.token_ids, buckets)  # (buckets,)
+            if n.parent is not None:
+                c = c + counts[n.parent]
+            counts.append(c)
+            out[(tree.tree_id, n.id)] = c / c.sum().clamp(min=1.0)  # (buckets,)
+    return out
+
+
+def bag_prompt_features(prompt_ids: list[list[int]], buckets: int) -> Tensor:
+    """``bag_of_tokens`` features of candidate prompts: (P, buckets)."""
+    bags = [_bag(p, buckets) for p in prompt_ids]
+    if not bags:
+        return torch.zeros(0, buckets)
+    c = torch.stack(bags)  # (P, buckets)
+    return c / c.sum(-1, keepdim=True).clamp(min=1.0)  # (P, buckets)
+
+
+class Featuriser:
+    """Turns tree nodes and candidate prompts into feature vectors for the predictor.
+
+    Args:
+        kind: ``"hidden"`` (the policy's last hidden state at the prefix's last token) or
+            ``"bag_of_tokens"`` (hashed bag of the prefix's token ids; no policy forward).
+        batch_tokens: most padded tokens per policy forward (``hidden`` only).
+        buckets: number of hash buckets (``bag_of_tokens`` only).
+    """
+
+    def __init__(self, kind: FeaturiserKind = "hidden", batch_tokens: int = 16384,
+                 buckets: int = 256) -> None:
+        if kind not in ("hidden", "bag_of_tokens"):
+            raise ValueError(f"featuriser kind {kind!r}: expected one of 'hidden', "
+                             f"'bag_of_tokens'")
+        if batch_tokens < 1:
+            raise ValueError(f"featuriser batch_tokens ({batch_tokens}) must be >= 1")
+        if buckets < 1:
+            raise ValueError(f"featuriser buckets ({buckets}) must be >= 1")
+        self.kind = kind
+        self.batch_tokens = batch_tokens
+        self.buckets = buckets
+
+    def feature_dim(self, config: PretrainedConfig | None) -> int:
+        """The width of a feature vector (``hidden``: the policy's, from its ``config``)."""
+        if self.kind == "hidden":
+            return config.get_text_config().hidden_size
+        return self.buckets
+
+    def nodes(self, policy: PreTrainedModel | None, trees: list[RolloutTree],
+              known: Mapping[NodeKey, Tensor] | None = None) -> dict[NodeKey, Tensor]:
+        """Features of every node of ``trees`` ({(tree_id, node_id): (D,)})."""
+        if self.kind == "hidden":
+            return node_features(policy, trees, self.batch_tokens, known=known)
+        return {**bag_node_features(trees, self.buckets), **(known or {})}
+
+    def prompts(self, policy: PreTrainedModel | None, prompt_ids: list[list[int]]) -> Tensor:
+        """Features of candidate prompts: (P, D)."""
+        if self.kind == "hidden":
+            return prompt_features(policy, prompt_ids, self.batch_tokens)
+        return bag_prompt_features(prompt_ids, self.buckets)
+
+
+__all__ = [
+    "Featuriser", "FeaturiserKind", "NodeKey", "bag_node_features", "bag_prompt_features",
+    "node_features", "prompt_features",
+]

@@ -1,0 +1,213 @@
+"""The agent loop: many trajectories at once, grown into rollout trees.
+
+Each turn makes one batched engine call for every live trajectory and one batched call of
+the task's tool for every tool call among them (``Task.execute``: the searches of search
+QA); the observation is appended as token ids. A trajectory
+starts from a node of a tree: from the root it is a new bare rollout, from a turn node it is
+a continuation that resumes that prefix's exact token ids (no re-tokenising, no repeated
+tool calls: the observations are already in the prefix).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from trace_lightning.collectives import log_failure, raise_failed
+from trace_lightning.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
+from trace_lightning.tasks.base import Example, Task
+from trace_lightning.tree import Budget, RolloutTree
+
+
+@dataclass
+class _Live:
+    tree: RolloutTree
+    node: int  # the node the next turn is appended under
+    rollout: int
+    ids: list[int]  # the exact prefix token ids
+
+
+@dataclass
+class Start:
+    """Grow ``count`` trajectories from ``node`` of ``tree`` (0 = new bare rollouts)."""
+
+    tree: RolloutTree
+    node: int
+    count: int
+
+
+class AgentLoop:
+    """Grows trees with an engine and a task.
+
+    Args:
+        engine: the rollout engine (vLLM or transformers).
+        env: the task (prompt, parsing, tool calls, reward): ``SearchEnvironment`` for
+            search QA.
+        sampling: sampling settings of every turn (stop strings come from the task).
+        on_leaves: called after every turn with the number of trajectories it finished
+            (progress bars).
+    """
+
+    def __init__(self, engine: RolloutEngine, env: Task, sampling: SamplingConfig,
+                 on_leaves: Callable[[int], None] | None = None):
+        self.engine, self.env = engine, env
+        self.sampling = replace(sampling, stop=list(env.stop))
+        self.on_leaves = on_leaves  # told how many trajectories each turn finished
+        self.engine_calls = 0  # turns run so far: one batched engine call each
+        self.retrieval_s = 0.0  # wall seconds inside the task's tool calls so far
+
+    def new_tree(self, example: Example) -> RolloutTree:
+        ids, text = self.env.prompt(example)
+        if len(ids) >= self.env.max_seq_tokens:  # every rollout would end empty, reward 0
+            raise ValueError(
+                f"the prompt of question {example.id!r} is {len(ids)} tokens, at or over "
+                f"--data.env.max_seq_tokens ({self.env.max_seq_tokens}): no room for a turn; "
+                f"raise it (and --data.engine.max_model_len) or shorten "
+                f"--data.env.instruction")
+        return RolloutTree.new(example.id, example.question, example.answers, ids, text,
+                               dataset=example.dataset)
+
+    def expand(self, starts: Sequence[Start], seed: int,
+               then: Callable[[list[RolloutTree]], Sequence[Start]] | None = None,
+               any_rank: Callable[[list[bool]], list[bool]] | None = None) -> Budget:
+        """Run every trajectory of ``starts`` to its end; returns what the step spent.
+
+        Args:
+            starts: where trajectories begin, and how many from each.
+            seed: seed of the turns' sampling seeds.
+            then: called after each turn with the trees of ``starts`` whose trajectories
+                have all ended since the last call; the starts it returns join the next
+                turn, beside the other trees' trajectories still running (a prompt's stage
+                2 need not wait for the other prompts' stage 1). A tree is reported once.
+            any_rank: under several processes, ``any_rank(flags)`` is each flag OR-ed over
+                the ranks (a collective, once per turn). Every rank then calls ``then`` on
+                the same turns (with no trees when none of its own ended), since ``then`` may
+                run collectives itself (the featuriser's forwards under FSDP), and loops
+                until no rank has a trajectory running or a tree to report. A turn that
+                fails on one rank (its retriever down, its engine, or ``then``: the oracle's
+                probes, planning) stops every rank at the next turn's flags: the others
+                raise ``RankFailed`` instead of waiting for it.
+        """
+        rng = np.random.default_rng(seed)
+        live = self._start(starts)
+        waiting = list({id(s.tree): s.tree for s in starts}.values()) if then else []
+        total = Budget()
+        error: Exception | None = None  # this rank's, raised once the ranks agree
+        while True:
+            if live and error is None:
+                try:
+                    live = self._turn(live, int(rng.integers(2**31 - 1)), total)
+                except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                    if any_rank is None:
+                        raise
+                    error = log_failure(e, "a rollout turn")
+            running = {id(t.tree) for t in live}
+            done = [t for t in waiting if id(t) not in running]
+            waiting = [t for t in waiting if id(t) in running]
+            report, more, failed = bool(done), bool(live or waiting or done), error is not None
+            if any_rank is not None:
+                report, more, failed = any_rank([report, more, failed])
+            if failed:
+                raise_failed(error, "a rollout turn")
+            if report and then is not None:
+                try:
+                    live += self._start(then(done))
+                except Exception as e:  # noqa: BLE001 - on every rank at the next turn's flags
+                    if any_rank is None:
+                        raise
+                    # ``more`` was true on every rank (``report`` is), so all come round again
+                    error = log_failure(e, "a rollout turn")
+            if not more:
+                return total
+
+    def _start(self, starts: Sequence[Start]) -> list[_Live]:
+        """One live trajectory per count of each start; a new bare rollout gets its tree's
+        next free rollout index."""
+        live: list[_Live] = []
+        next_rollout: dict[int, int] = {}  # by id(tree): oracle probes share a tree_id
+        for s in starts:
+            node = s.tree.nodes[s.node]
+            assert not node.finished, f"cannot continue leaf {s.node} of tree {s.tree.tree_id}"
+            prefix = s.tree.prefix_ids(s.node)
+            for _ in range(s.count):
+                if s.node == 0:
+                    j = next_rollout.get(id(s.tree), len(s.tree.root.children))
+                    next_rollout[id(s.tree)] = j + 1
+                else:
+                    j = node.rollout
+                live.append(_Live(s.tree, s.node, j, prefix))
+        return live
+
+    def _turn(self, live: list[_Live], seed: int, total: Budget) -> list[_Live]:
+        self.engine_calls += 1
+        outs: list[Completion] = [c[0] for c in self.engine.generate(
+            [t.ids for t in live], replace(self.sampling, seed=seed))]
+        room = [max(self.env.max_seq_tokens - len(t.ids), 0) for t in live]
+        cut = [len(c.token_ids) > r for c, r in zip(outs, room)]  # hit the context limit
+        gen = [list(c.token_ids[:r]) for c, r in zip(outs, room)]
+        texts = [self.env.tokenizer.decode(g) for g in gen]
+        # parsed up to the stop string: the token that completed it may carry more text
+        actions = [self.env.parse(x) for x in texts]
+        calling = [i for i, t in enumerate(live) if actions[i].calls_tool and not cut[i]
+                   and t.tree.nodes[t.node].depth + 1 < self.env.max_turns]
+        tic = time.perf_counter()
+        observations = dict(zip(calling, self.env.execute([actions[i] for i in calling])))
+        self.retrieval_s += time.perf_counter() - tic
+        still: list[_Live] = []
+        for i, (t, c, g, a, text) in enumerate(zip(live, outs, gen, actions, texts)):
+            obs_ids, obs_text = observations.get(i, ([], ""))
+            spent = Budget(generated_tokens=len(g), prefill_tokens=len(t.ids),
+                           cached_tokens=c.cached_tokens, tool_calls=int(i in observations))
+            if cut[i]:
+                finish = "max_tokens"
+            elif not a.calls_tool:
+                finish = a.kind  # "answer" or "invalid"
+            elif i not in observations:
+                finish = "max_turns"
+            elif len(t.ids) + len(g) + len(obs_ids) >= self.env.max_seq_tokens:
+                # the observation would not fit: the episode ends on the call and stays
+                # within max_seq_tokens (tool_calls counts observations the trees hold)
+                finish, obs_ids, obs_text = "max_tokens", [], ""
+                spent.tool_calls = 0
+            else:
+                finish = ""
+            node = t.tree.add_child(
+                t.node, rollout=t.rollout, token_ids=g + list(obs_ids),
+                logprobs=list(c.logprobs[: len(g)]) + [0.0] * len(obs_ids),
+                policy_mask=[1] * len(g) + [0] * len(obs_ids),
+                text=text, observation=obs_text, action=a.kind,
+                argument=a.argument if a.kind != "invalid" else a.error,
+                finished=bool(finish), finish_reason=finish)
+            if finish:
+                node.reward, node.metrics = self.env.score(a, t.tree.answers)
+                if not math.isfinite(node.reward):
+                    raise ValueError(
+                        f"reward {node.reward} of tree {t.tree.tree_id} (question "
+                        f"{t.tree.question!r}) is not finite; check the reward function "
+                        f"(--data.env.reward): the step is not trained on")
+                spent.leaves = 1
+            else:
+                still.append(_Live(t.tree, node.id, t.rollout, t.ids + node.token_ids))
+            t.tree.budget.add(spent)
+            total.add(spent)
+        if self.on_leaves is not None:
+            self.on_leaves(len(live) - len(still))
+        return still
+
+
+def sample_trees(engine: RolloutEngine, env: Task, examples: Sequence[Example],
+                 n: int, sampling: SamplingConfig, seed: int,
+                 any_rank: Callable[[list[bool]], list[bool]] | None = None
+                 ) -> list[RolloutTree]:
+    """``n`` bare rollouts per example, no branching; rewards and values computed.
+    ``any_rank``: as ``AgentLoop.expand``'s (a turn failing on one rank stops every rank)."""
+    loop = AgentLoop(engine, env, sampling)
+    trees = [loop.new_tree(e) for e in examples]
+    loop.expand([Start(t, 0, n) for t in trees], seed, any_rank=any_rank)
+    for t in trees:
+        t.compute_values()
+    return trees

@@ -1,0 +1,175 @@
+"""One RL iteration's data: budgeted rollout trees, from candidate prompts to training sequences.
+
+    candidates ─> predictor ─> root plan ─> bare rollouts ─> predictor on prefixes
+               ─> prefix plan ─> continuations ─> rewards, values ─> advantages ─> sequences
+                  └──────── per prompt, as soon as its bare rollouts end ────────┘
+
+Every step spends the same number of leaves whatever the allocator (equal sampling cost);
+what each phase spent (leaves, generated tokens, tool calls) and took (seconds) is kept on
+the ``RolloutStep`` for the monitoring callbacks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trace_lightning.math.advantage import assign_advantages
+from trace_lightning.allocation.allocators import Allocator, RootPlan
+from trace_lightning.tasks.base import Example
+from trace_lightning.rollout.agent import AgentLoop, Start
+from trace_lightning.tree import Budget, LeafSequence, RolloutTree
+
+# Sets ``node.prediction`` on the given trees: on every root, and on every non-leaf turn node.
+Predict = Callable[[list[RolloutTree]], None]
+
+
+@dataclass
+class RolloutStep:
+    """What one epoch's sampling produced and cost."""
+
+    epoch: int
+    trees: list[RolloutTree]  # trees that got budget (candidates filtered out are not here)
+    candidates: int  # prompts the allocator chose from
+    root_plan: list[int]  # rollouts per candidate (0 = filtered out)
+    sequences: list[LeafSequence]
+    budget: Budget
+    pool_returned: int = 0  # continuations a prompt could not use, spent elsewhere
+    unspent: int = 0  # continuations no prefix could take, spent as extra bare rollouts
+    seconds: dict[str, float] = field(default_factory=dict)  # rollout/retrieval/predict wall s
+    cold_start: bool = False
+    # per tree of ``trees``, its stage-1 (planned) bare rollouts: indices 0..m-1; budget no
+    # prefix could take adds bare rollouts after them (``unspent``). Empty: all are stage 1.
+    stage1: list[int] = field(default_factory=list)
+    # turns the step ran, each one batched engine call (the oracle's probes included): the
+    # length of its longest chain of turns, which per-prompt stage 2 keeps short
+    engine_calls: int = 0
+
+
+def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Example],
+                 predict: Predict | None, predictor_nodes_seen: int, epoch: int, seed: int,
+                 advantage: str, shard: tuple[int, int] = (0, 1),
+                 agree: Callable[[RootPlan], RootPlan] | None = None,
+                 any_rank: Callable[[list[bool]], list[bool]] | None = None,
+                 overlap: bool = True) -> RolloutStep:
+    """Build one step's trees with ``allocator`` and turn them into training sequences.
+
+    ``predict`` is the shared predictor for ``trace``/``prompt``, or an estimate from extra
+    rollouts for ``oracle`` (see ``oracle_predict``); allocators that need no predictions
+    never call it. ``shard=(rank, world_size)``: every rank plans the same global budget and
+    rolls out the chosen prompts ``rank::world_size``. ``agree`` makes the ranks' root plans
+    one (the data module passes rank 0's to all): each rank computes its own predictions,
+    and a last-bit difference between them (GPU kernels) could flip a solver's choice, so a
+    prompt would be rolled out twice and another not at all. ``any_rank`` (several
+    processes) ORs flags over the ranks, so that every rank predicts on the same turns and
+    a turn that fails on one rank stops them all (see ``AgentLoop.expand``).
+
+    Stage 2 (branching kinds) runs per prompt: after each turn, the prompts whose bare
+    rollouts have all ended get their prefixes predicted and their continuations planned
+    (``PrefixPlanner``), and those join the next turn beside the other prompts' stage 1.
+    Once every prompt is planned, the pool of budget prompts could not use is spent, and
+    what no prefix can take becomes extra bare rollouts, round robin, so every allocator
+    spends the same leaves. ``overlap=False`` waits for every bare rollout first (two
+    waves: the same plan; ``benchmarks/rollout_schedule.py`` compares the two schedules).
+    """
+    seconds: dict[str, float] = {}
+    tic, calls = time.perf_counter(), loop.engine_calls
+    trees = [loop.new_tree(e) for e in candidates]
+    cold = allocator.is_cold(predictor_nodes_seen)
+    informed = allocator.predicts and not cold
+    if informed:
+        if predict is None:
+            raise ValueError(f"allocator kind {allocator.kind!r} needs predictions; pass "
+                             f"the predictor (or oracle_predict for 'oracle')")
+        predict(trees)
+    seconds["predict"] = time.perf_counter() - tic
+
+    plan = allocator.plan_roots(len(trees), [t.root.prediction for t in trees]
+                                if informed else None, predictor_nodes_seen,
+                                [t.root.prediction_count for t in trees] if informed else None)
+    if agree is not None:
+        plan = agree(plan)
+    rank, world = shard
+    opened = [(t, m) for t, m in zip(trees, plan.rollouts) if m > 0][rank::world]
+    chosen = [t for t, _ in opened]
+    planner = allocator.prefix_planner(chosen, plan.cold_start) if allocator.branches else None
+
+    def branch(done: list[RolloutTree]) -> list[Start]:
+        """Stage 2 of the trees in ``done``; the pool once every tree is planned."""
+        assert planner is not None
+        tic = time.perf_counter()
+        if informed:  # on every rank on the same turns, ``done`` empty or not
+            predict(done)
+        seconds["predict"] += time.perf_counter() - tic
+        starts = [Start(t, node, k) for t, node, k in planner.plan(done)]
+        if planner.all_planned and not planner.pool_spent:
+            starts += [Start(t, node, k) for t, node, k in planner.spend_pool()]
+            extra = [0] * len(chosen)
+            for i in range(planner.unspent if chosen else 0):
+                extra[i % len(chosen)] += 1
+            starts += [Start(t, 0, k) for t, k in zip(chosen, extra) if k]
+        return starts
+
+    tic, predicted, searched = time.perf_counter(), seconds["predict"], loop.retrieval_s
+    first = [Start(t, 0, m) for t, m in opened]
+    if planner is None:
+        budget = loop.expand(first, seed=seed, any_rank=any_rank)
+    elif overlap:
+        budget = loop.expand(first, seed=seed, then=branch, any_rank=any_rank)
+    else:
+        budget = loop.expand(first, seed=seed, any_rank=any_rank)
+        budget.add(loop.expand(branch(chosen), seed=seed + 1, any_rank=any_rank))
+    # the predictions made between turns are counted as "predict", and the searches as
+    # "retrieval": "rollout" is the rest (the engine's sampling, parsing, bookkeeping)
+    seconds["retrieval"] = loop.retrieval_s - searched
+    seconds["rollout"] = (time.perf_counter() - tic - (seconds["predict"] - predicted)
+                          - seconds["retrieval"])
+
+    for t in chosen:
+        t.compute_values()
+    sequences = [s for t in chosen for s in t.flatten()]
+    for seq, adv in zip(sequences, assign_advantages(sequences, chosen, advantage)):
+        seq.token_advantages = adv
+    return RolloutStep(epoch=epoch, trees=chosen, candidates=len(candidates),
+                       root_plan=list(plan.rollouts), sequences=sequences, budget=budget,
+                       pool_returned=planner.pool_returned if planner else 0,
+                       unspent=planner.unspent if planner else 0, seconds=seconds,
+                       cold_start=plan.cold_start, stage1=[m for _, m in opened],
+                       engine_calls=loop.engine_calls - calls)
+
+
+def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:
+    """Success odds estimated by ``samples`` extra rollouts from each node (not counted in any
+    budget): the predictions of a perfect predictor, for the ``oracle`` allocator."""
+
+    calls = itertools.count()
+
+    def predict(trees: list[RolloutTree]) -> None:
+        probes, targets = [], []
+        for t in trees:
+            for n in [t.root, *t.prefixes()]:
+                if n.prediction is not None:
+                    continue
+                probe = RolloutTree.new(t.tree_id, t.question, t.answers, t.prefix_ids(n.id))
+                probe.root.depth = n.depth  # the turn limit counts from the real depth
+                probes.append(probe)
+                targets.append(n)
+        # a seed per call: stage 2 calls once per turn, and probe i of two calls must not
+        # draw the same samples
+        call_seed = int(np.random.SeedSequence([seed, next(calls)]).generate_state(1)[0])
+        # probes are no leaves of the step, and their searches count as "predict" time
+        on_leaves, loop.on_leaves = loop.on_leaves, None
+        searched = loop.retrieval_s
+        try:
+            loop.expand([Start(p, 0, samples) for p in probes], seed=call_seed)
+        finally:
+            loop.on_leaves, loop.retrieval_s = on_leaves, searched
+        for p, n in zip(probes, targets):
+            rewards = [leaf.reward for leaf in p.leaves()]
+            n.prediction = sum(rewards) / len(rewards)
+
+    return predict

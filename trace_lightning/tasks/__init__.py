@@ -1,0 +1,2 @@
+"""Tasks: what an agent does, behind ``base.Task`` and ``base.TaskData``; search QA and
+arithmetic with a calculator."""
