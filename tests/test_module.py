@@ -339,7 +339,7 @@ def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
     computation gives (the weights have not moved)."""
     import types
 
-    from trace_lightning.math.solvers import features
+    from trace_lightning.allocation import features
     from trace_lightning.training import module as module_lib
 
     ran: list[list[int]] = []  # every prompt or tree unit the policy featurised
