@@ -138,3 +138,18 @@ def through_first_stop(text: str, stops: Sequence[str]) -> str:
     before, and the rest of that token is not text after the action."""
     ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
     return text[: min(ends)] if ends else text
+
+
+def check_stop_strings(tokenizer, stop: Sequence[str]) -> None:
+    """A ValueError when the tokenizer makes a stop string a special token: the engines
+    decode without special tokens, so they would never see it and a turn would run on
+    past its action."""
+    for s in stop:
+        ids = tokenizer.encode(s, add_special_tokens=False)
+        if s not in tokenizer.decode(ids, skip_special_tokens=True):
+            raise ValueError(
+                f"the policy's tokenizer makes {s!r} a special token, so the engines "
+                f"(which decode with skip_special_tokens) would never see the stop string "
+                f"and a turn would run on past its action; add the agent tags as normal "
+                f"tokens (tokenizer.add_tokens(tags, special_tokens=False)) or leave them "
+                f"out of the vocabulary")

@@ -20,7 +20,7 @@ from typing import Literal
 
 from trace_lightning.tasks.search_qa.reward import reward_from_scores, score_answer
 from trace_lightning.tasks.search_qa.retrieval import Passage, Retriever
-from trace_lightning.tasks.base import Example, Turn, through_first_stop
+from trace_lightning.tasks.base import Example, Turn, check_stop_strings, through_first_stop
 
 SEARCH_R1_INSTRUCTION = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first "
@@ -149,14 +149,7 @@ class SearchEnvironment:
         self.max_query_chars = max_query_chars
         self.instruction, self.use_chat_template = instruction, use_chat_template
         self.reward_kind, self.f1_threshold = reward, f1_threshold
-        for s in self.stop:  # engines look for stop strings in text without special tokens
-            if s not in tokenizer.decode(self._encode(s), skip_special_tokens=True):
-                raise ValueError(
-                    f"the policy's tokenizer makes {s!r} a special token, so the engines "
-                    f"(which decode with skip_special_tokens) would never see the stop string "
-                    f"and a turn would run on past its action; add the agent tags as normal "
-                    f"tokens (tokenizer.add_tokens(tags, special_tokens=False)) or leave them "
-                    f"out of the vocabulary")
+        check_stop_strings(tokenizer, self.stop)
         self._obs_open = self._encode("\n\n<information>")
         self._obs_close = self._encode("</information>\n\n")
 
