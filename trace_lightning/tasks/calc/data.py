@@ -84,7 +84,7 @@ class CalcData(TaskData):
                  use_chat_template: bool = False, vocab_size: int = 768,
                  model: dict | None = None, model_seed: int = 0, warm_start_steps: int = 1500,
                  warm_start_batch: int = 8, warm_start_lr: float = 6e-3,
-                 warm_start_noise: float = 0.0, warm_start_stop_loss: float | None = 0.15,
+                 warm_start_noise: float = 0.0, warm_start_stop_loss: float | None = 0.12,
                  warm_start_threads: int | None = 1):
         self.out_dir = Path(out_dir)
         self.seed, self.eval_seed, self.warm_seed = seed, eval_seed, warm_seed
