@@ -46,7 +46,14 @@ def test_config_builds_its_module_and_datamodule(config):
         chain = ["--config", str(REPO / "configs" / "demo.yaml"), *chain]
     built = cli([*chain, "--trainer.accelerator=cpu", "--trainer.strategy=auto",
                  "--trainer.devices=1"], run=False)
-    assert (built.datamodule.task.demo is None) == (config.name == "hotpotqa_qwen3.yaml")
+    task = built.datamodule.task
+    if config.name == "calc.yaml":  # the arithmetic task, its own policy under its out_dir
+        from trace_lightning.tasks.calc import CalcData
+
+        assert isinstance(task, CalcData) and task.metric == "correct"
+        assert built.model.hparams.policy_path == str(task.model_dir)
+    else:  # search QA: the demo world, except on real data
+        assert (task.demo is None) == (config.name == "hotpotqa_qwen3.yaml")
     assert built.trainer.checkpoint_callback is not None
 
 
