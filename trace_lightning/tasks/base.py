@@ -153,3 +153,15 @@ def check_stop_strings(tokenizer, stop: Sequence[str]) -> None:
                 f"and a turn would run on past its action; add the agent tags as normal "
                 f"tokens (tokenizer.add_tokens(tags, special_tokens=False)) or leave them "
                 f"out of the vocabulary")
+
+
+def render_prompt(tokenizer, instruction: str, question: str,
+                  use_chat_template: bool) -> tuple[list[int], str]:
+    """Token ids and text of a root prompt: ``instruction`` with ``{question}`` filled in (not
+    ``str.format``: an instruction may hold other braces), in the tokenizer's chat template
+    when asked and it has one."""
+    text = instruction.replace("{question}", question.strip())
+    if use_chat_template and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False), text

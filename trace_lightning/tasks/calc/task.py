@@ -28,6 +28,7 @@ from trace_lightning.tasks.base import (
     Example,
     Turn,
     check_stop_strings,
+    render_prompt,
     through_first_stop,
 )
 from trace_lightning.tasks.calc.evaluator import CalcError, evaluate, format_number
@@ -129,12 +130,8 @@ class CalcTask:
 
     def prompt(self, example: Example) -> tuple[list[int], str]:
         """Token ids and text of the root prompt of ``example``."""
-        # not str.format: an instruction may hold other braces
-        text = self.instruction.replace("{question}", example.question.strip())
-        if self.use_chat_template and self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-        return self._encode(text), text
+        return render_prompt(self.tokenizer, self.instruction, example.question,
+                             self.use_chat_template)
 
     def parse(self, text: str) -> Turn:
         """One generated turn, cut at its first stop string, parsed (``parse_turn``)."""

@@ -20,7 +20,8 @@ from typing import Literal
 
 from trace_lightning.tasks.search_qa.reward import reward_from_scores, score_answer
 from trace_lightning.tasks.search_qa.retrieval import Passage, Retriever
-from trace_lightning.tasks.base import Example, Turn, check_stop_strings, through_first_stop
+from trace_lightning.tasks.base import (Example, Turn, check_stop_strings, render_prompt,
+                                        through_first_stop)
 
 SEARCH_R1_INSTRUCTION = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first "
@@ -159,12 +160,7 @@ class SearchEnvironment:
     def prompt(self, example: Example | str) -> tuple[list[int], str]:
         """Token ids and text of the root prompt for ``example`` (or a question's text)."""
         question = example.question if isinstance(example, Example) else example
-        # not str.format: an instruction may hold other braces (a JSON example)
-        text = self.instruction.replace("{question}", question.strip())
-        if self.use_chat_template and self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-        return self._encode(text), text
+        return render_prompt(self.tokenizer, self.instruction, question, self.use_chat_template)
 
     def parse(self, text: str) -> Turn:
         """One generated turn, cut at its first stop string, parsed (``parse_turn``)."""
