@@ -13,11 +13,9 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from trace_lightning.tasks.search_qa.datasets import load_qa
 from trace_lightning.tasks.search_qa.demo.prepare import DEMO_INSTRUCTION, DemoPaths, demo_env, prepare_demo
+from trace_lightning.tasks.sft import batch_order, collate, sft_loss
 from trace_lightning.tasks.search_qa.demo.warm_start import (
-    batch_order,
-    collate,
     gold_trees,
-    sft_loss,
     warm_start,
 )
 from trace_lightning.tasks.search_qa.demo.world import generate_world, gold_turns, vocabulary_text
@@ -259,10 +257,10 @@ def test_prepare_demo_finds_a_built_demo_without_the_lock_and_builds_where_flock
     paths = prepare_demo(tmp_path / "demo", **_demo_kwargs(warm_start_steps=0))
     assert paths.manifest.is_file() and "cannot lock" in caplog.text
 
-    def no_lock(lock):
+    def no_lock(lock, what):
         raise AssertionError(f"took {lock}")
 
-    monkeypatch.setattr(prepare_module, "_exclusive", no_lock)
+    monkeypatch.setattr(prepare_module, "exclusive", no_lock)
     assert prepare_demo(tmp_path / "demo", **_demo_kwargs(warm_start_steps=0)) == paths
 
 

@@ -29,7 +29,7 @@ from trace_lightning.tasks.base import Example, TaskData
 from trace_lightning.tasks.calc.problems import MAX_OPS, Problem, generate_problems
 from trace_lightning.tasks.calc.task import CALC_INSTRUCTION, CalcTask, check_settings
 from trace_lightning.tasks.calc.warm_start import calc_tokenizer, warm_start
-from trace_lightning.tasks.search_qa.demo.prepare import _exclusive
+from trace_lightning.tasks.build import exclusive
 from trace_lightning.training.export import replace_dir
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class CalcData(TaskData):
             log.info("calc task in %s is up to date", self.out_dir)
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        with _exclusive(self.out_dir / ".prepare.lock"):
+        with exclusive(self.out_dir / ".prepare.lock", "the calc task"):
             if self._built(settings):
                 log.info("calc task in %s is up to date (built by another process)",
                          self.out_dir)
@@ -244,6 +244,8 @@ class CalcData(TaskData):
 
     def _build(self, settings: dict) -> None:
         start = time.perf_counter()
+        log.info("building the calc task in %s (first run only; about 3 minutes on 2 cores, "
+                 "most of it the warm start)", self.out_dir)
         train, warm, heldout = self.problem_sets()
         # the tokenizer learns the wording and the numbers of trajectories like the policy's
         tokenizer = calc_tokenizer(warm or train, self.vocab_size, self.instruction)

@@ -44,7 +44,7 @@ from trace_lightning.tasks.base import Example
 from trace_lightning.tasks.calc.evaluator import evaluate_exact, format_number
 from trace_lightning.tasks.calc.problems import Problem
 from trace_lightning.tasks.calc.task import CALC, CALC_TAGS, CalcTask, parse_turn
-from trace_lightning.tasks.search_qa.demo.warm_start import _train
+from trace_lightning.tasks.sft import fit_demonstrations
 
 log = logging.getLogger(__name__)
 _DIGITS = re.compile(r"(?<=\d)(?=\d)")  # between two adjacent digits
@@ -166,12 +166,9 @@ def warm_start(model_dir: str | Path, task: CalcTask, problems: Sequence[Problem
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
-        _train(model_dir, seqs, stats, steps, batch_size, lr, 20, 0.0, 0.0, stop_loss, seed,
-               log_every, task.tokenizer.pad_token_id)
-    except FloatingPointError as e:  # its message names the demo's flag
-        raise FloatingPointError(
-            f"calc warm start: the loss is not finite at step {stats['steps'] + 1} (lr {lr}); "
-            f"nothing was saved. Lower --data.task.init_args.warm_start_lr") from e
+        fit_demonstrations(model_dir, seqs, stats, steps, batch_size, lr, 20, 0.0, 0.0,
+                           stop_loss, seed, log_every, task.tokenizer.pad_token_id,
+                           lr_flag="--data.task.init_args.warm_start_lr")
     finally:
         torch.set_num_threads(threads)
     stats["seconds"] = time.perf_counter() - start

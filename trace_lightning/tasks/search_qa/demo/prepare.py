@@ -24,16 +24,16 @@ old world complete; one during the swap leaves no manifest, so the next call reb
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from trace_lightning.console import duration
+from trace_lightning.tasks.build import exclusive
 from trace_lightning.tasks.search_qa.demo.warm_start import warm_start
 from trace_lightning.tasks.search_qa.demo.world import World, generate_world, vocabulary_text
 from trace_lightning.tasks.search_qa.environment import SearchEnvironment
@@ -190,31 +190,46 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
                 "topk": topk, "use_chat_template": use_chat_template,
                 "instruction": DEMO_INSTRUCTION}
     if not force and _matches(paths, settings):  # a built demo may sit on a read-only disk
-        log.info("demo in %s is up to date", paths.root)
+        log.info("demo world: %s is up to date", paths.root)
         return paths
     paths.root.mkdir(parents=True, exist_ok=True)
     # one builder at a time (two runs started on one out_dir, or one per node on a shared
     # disk): the others wait, then find it up to date
-    with _exclusive(paths.root / ".prepare.lock"):
+    with exclusive(paths.root / ".prepare.lock", "the demo"):
         if not force and _matches(paths, settings):
-            log.info("demo in %s is up to date (built by another process)", paths.root)
+            log.info("demo world: %s is up to date (built by another process)", paths.root)
             return paths
         start = time.perf_counter()
+        stages = 4 if warm_start_steps > 0 else 3
+        log.info("building the demo world in %s (first run only; about 4 minutes on 2 "
+                 "cores, most of it the warm start)", paths.root)
         sizes = {"n_people": n_people, "n_cities": n_cities, "n_countries": n_countries,
                  "n_companies": n_companies, "namesakes": namesakes}
         train = generate_world(seed, n_questions=n_questions, **sizes)
         warm = ([generate_world(s, n_questions=warm_questions, **sizes) for s in warm_seeds]
                 if warm_start_steps > 0 else [])
         held_out = held_out_world(eval_seed, n_eval_questions, [train, *warm], **sizes)
+        log.info("  1/%d corpus: a training world (%d questions, %d documents), a held-out "
+                 "one (%d questions) and %d warm-start worlds (%s)", stages,
+                 len(train.questions), len(train.documents), len(held_out.questions),
+                 len(warm), duration(time.perf_counter() - start))
 
         texts = vocabulary_text(**sizes) + [DEMO_INSTRUCTION.format(question=q["question"])
                                             for q in train.questions[:50]]
         tokenizer = train_tokenizer(texts, vocab_size, AGENT_TAGS)
+        log.info("  2/%d tokenizer: byte-level BPE of %d tokens (%s)", stages, vocab_size,
+                 duration(time.perf_counter() - start))
         staging = paths.model.with_name(paths.model.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         build_tiny_model(tokenizer, staging, seed=model_seed, **model_cfg)
+        log.info("  3/%d policy: a tiny Qwen3, %d layers of width %d (%s)", stages,
+                 model_cfg["layers"], model_cfg["hidden_size"],
+                 duration(time.perf_counter() - start))
         stats: dict = {}
         if warm_start_steps > 0:
+            log.info("  4/%d warm start: supervised steps on gold trajectories of the "
+                     "warm-start worlds, at most %d, until the loss is %s", stages,
+                     warm_start_steps, warm_start_stop_loss)
             env = demo_env(tokenizer, warm[0], topk=topk, use_chat_template=use_chat_template)
             stats = warm_start(staging, warm, env, steps=warm_start_steps,
                                batch_size=warm_start_batch, lr=warm_start_lr,
@@ -238,30 +253,10 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
         tmp = paths.manifest.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=2))
         tmp.replace(paths.manifest)
-        log.info("prepared the demo in %s (%.0f s)", paths.root, result["seconds"])
+        loss = stats.get("final_loss")
+        log.info("demo world ready in %s (%s%s)", paths.root, duration(result["seconds"]),
+                 "" if loss is None else f"; warm-start loss {loss:.3f}")
         return paths
-
-
-@contextmanager
-def _exclusive(lock: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock`` (created), waiting for another holder; where
-    the filesystem has no ``flock`` (some network filesystems), go on without it."""
-    with open(lock, "a") as f:
-        locked = True
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("another process is building the demo in %s: waiting for it", lock.parent)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as e:
-            log.warning("cannot lock %s (%s): building the demo without a lock; do not start "
-                        "two runs on one --data.demo.out_dir at once", lock, e)
-            locked = False
-        try:
-            yield
-        finally:
-            if locked:
-                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _matches(paths: DemoPaths, settings: dict) -> bool:
