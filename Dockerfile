@@ -3,9 +3,9 @@
 #   docker build -t trace-lightning .
 # configs/hotpotqa_qwen3.yaml reads data/hotpotqa/train.jsonl, data/hotpotqa/dev.jsonl and
 # data/2wikimultihopqa/dev.jsonl relative to /work, and searches through the retriever at
-# 127.0.0.1:8000; the retriever serves data/wiki18/wiki-18.jsonl (README "Running on GPU
-# nodes"). Both containers share the host's network, so that address reaches it; the
-# hub cache mount keeps the Qwen/Qwen3-8B download across runs:
+# 127.0.0.1:8000; the retriever serves data/wiki18/wiki-18.jsonl (docs/gpu.md). Both
+# containers share the host's network, so that address reaches it; the hub cache mount
+# keeps the Qwen/Qwen3-8B download across runs:
 #   docker run -d --network host -v $PWD/data:/work/data \
 #       --entrypoint trace-lightning-retriever trace-lightning \
 #       --corpus data/wiki18/wiki-18.jsonl --port 8000

@@ -20,7 +20,7 @@ One Qwen3-0.6B-shaped model with random weights (no download), bf16, SDPA attent
    ``ours_fp32_master``: ours with float32 weights and AdamW state, ``precision="bf16-mixed"``
    (FSDP computes in bf16). ``ours_auto``: the module as it stands under ``strategy="auto"``
    (one device, no FSDP; the design notes measured a minimal module 3x slower so, and the
-   2026-11-30 H200 run measured ours 1.1x faster so: see the README's GPU results). With
+   2026-11-30 H200 run measured ours 1.1x faster so: see docs/results.md, GPU). With
    ``--compile``: ``plain_compiled`` / ``ours_compiled`` (``TraceModule(compile_layers=True)``)
    (``torch.compile`` of each decoder layer). ``weight_updated_frac``: share of one weight
    matrix's entries changed by the timed steps at ``--lr``; bf16 weights drop AdamW updates

@@ -13,6 +13,7 @@ Enable them in a LightningCLI config::
         - class_path: callbacks.TreeSamples
         - class_path: callbacks.Throughput
         - class_path: callbacks.ExportPolicy   # the policy as a Hugging Face directory
+        - class_path: callbacks.RLProgressBar  # reward, effective ratio, held-out accuracy
 
 Every key they log is listed in ``callbacks/METRICS.md``.
 """
@@ -21,9 +22,10 @@ from callbacks.allocation_spread import AllocationSpread
 from callbacks.export_policy import ExportPolicy
 from callbacks.predictor_calibration import PredictorCalibration
 from callbacks.qa_accuracy import QAAccuracy
+from callbacks.progress import RLProgressBar
 from callbacks.reward_variance import RewardVariance
 from callbacks.throughput import Throughput
 from callbacks.tree_samples import TreeSamples
 
 __all__ = ["AllocationSpread", "ExportPolicy", "PredictorCalibration", "QAAccuracy",
-           "RewardVariance", "Throughput", "TreeSamples"]
+           "RLProgressBar", "RewardVariance", "Throughput", "TreeSamples"]

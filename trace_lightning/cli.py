@@ -44,8 +44,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from callbacks._common import RolloutCallback  # noqa: E402
+from callbacks.export_policy import ExportPolicy  # noqa: E402
+from trace_lightning.console import setup_console  # noqa: E402
 from trace_lightning.data import TraceDataModule  # noqa: E402
 from trace_lightning.training.export import checkpoint_meta  # noqa: E402
 from trace_lightning.training.module import TraceModule  # noqa: E402
@@ -113,10 +116,34 @@ class TraceCLI(LightningCLI):
                 callback.check(self.trainer, self.datamodule)
         self._check_output_dirs()
         self._resolve_checkpoint(required=False)
+        self._announce_logs()
 
     def before_validate(self) -> None:
         self._check_output_dirs()
         self._resolve_checkpoint(required=True)
+        self._announce_logs()
+
+    def after_fit(self) -> None:
+        """Say where the trained policy and the checkpoints are (rank 0)."""
+        if not self.trainer.is_global_zero:
+            return
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, ExportPolicy) and callback.exported:
+                log.info("trained policy (a Hugging Face folder; transformers and `vllm "
+                         "serve` load it): %s", callback.exported[-1])
+        ckpt = self.trainer.checkpoint_callback
+        if isinstance(ckpt, ModelCheckpoint) and (ckpt.last_model_path or ckpt.best_model_path):
+            log.info("checkpoint: %s (resume or score it again with --ckpt_path last)",
+                     ckpt.last_model_path or ckpt.best_model_path)
+
+    def _announce_logs(self) -> None:
+        """Where this run's TensorBoard logs go and the command that shows them (rank 0)."""
+        if not self.trainer.is_global_zero:
+            return
+        for lg in self.trainer.loggers:
+            if isinstance(lg, TensorBoardLogger):
+                log.info("logs: %s\n  watch them: %s --logdir %s", lg.log_dir,
+                         tensorboard_command(), lg.save_dir)
 
     def _check_output_dirs(self) -> None:
         """Every folder the run writes into can be written (none is created), before any
@@ -191,6 +218,18 @@ class TraceCLI(LightningCLI):
             log.warning("--ckpt_path %s: the checkpoint already trained %d epoch(s) and "
                         "--trainer.max_epochs is %d, so this fit trains nothing; raise "
                         "--trainer.max_epochs to train further", path, done, max_epochs)
+
+
+def tensorboard_command() -> str:
+    """How to start TensorBoard from here: the ``tensorboard`` script of this environment
+    (``.venv/bin/tensorboard`` when the venv is not activated), else the bare name."""
+    script = Path(sys.executable).parent / "tensorboard"
+    if not script.is_file():
+        return "tensorboard"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
 
 
 def check_output_dir(path: str | os.PathLike, flag: str) -> None:
@@ -443,6 +482,7 @@ def main(args: list[str] | None = None) -> None:
     if _excepthook is None:
         _excepthook = sys.excepthook
         sys.excepthook = _one_line_errors
+    setup_console()
     cli(args)
 
 

@@ -21,6 +21,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from collections.abc import Iterable, Iterator  # noqa: E402
 
 import torch  # noqa: E402
+
+from trace_lightning.rollout.engines import vllm_console  # noqa: E402
+
+vllm_console.quiet()  # before vLLM is imported: it logs while it is imported
+
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
@@ -237,6 +242,7 @@ class VLLMEngine:
         )
         if device is not None and torch.cuda.current_device() != device:
             torch.cuda.set_device(device)  # the trainer's collectives run on this rank's GPU
+        vllm_console.hide_benign()  # on the handler vLLM's start may have built anew
         return llm
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
