@@ -41,6 +41,17 @@ def test_budget_on_curve_interpolates_between_evaluations(bench):
     assert bench.budget_on_curve(0.40, [0.42, 0.44], [100, 100], 0.45) is None
 
 
+def test_a_curve_equal_to_the_target_up_to_float32_rounding_reaches_it(bench):
+    """Uniform's own final mean is the default target; its curve reaches it where it first
+    equals it, though the two float32 means differ in the last bits (the 2026-12-03 run:
+    0.43549999594688416 after epoch 7 against the target 0.4355000019073486)."""
+    acc = [0.404, 0.402, 0.403, 0.4185, 0.425, 0.427, 0.43549999594688416, 0.4355000019073486]
+    target = 0.4355000019073486
+    assert bench.budget_to_reach(0.4085, acc, [256] * 8, target) == 7 * 256
+    assert bench.budget_on_curve(0.4085, acc, [256] * 8, target) == pytest.approx(7 * 256)
+    assert bench.budget_on_curve(0.4085, acc, [256] * 8, 0.4356) is None  # really above
+
+
 def test_paired_differences_by_hand(bench):
     # differences 0.02, -0.01, 0.05: mean 0.02; deviations 0, -0.03, 0.03, so the sample
     # variance is (0.0009 + 0.0009) / 2 = 0.0009, sd 0.03, standard error 0.03 / sqrt(3)
