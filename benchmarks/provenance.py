@@ -6,7 +6,8 @@ beside another job can be told from one measured alone) and, for benchmarks on t
 fingerprint of the demo world: two clones give the same figures only on the same world, and
 a world's warm start is its own run (its policy's weights are hashed, not assumed).
 
-The line goes to ``docs/results/<benchmark>.json``, which the README's tables quote.
+The line goes to ``docs/results/<benchmark>.json``; the README's headline table and
+docs/results.md quote those files (``scripts/results_table.py`` writes the README's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +35,16 @@ def commit() -> str:
         return "unknown"
 
 
+def command() -> str:
+    """How this benchmark was started, as one would type it in the checkout's root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(REPO)
+    except ValueError:
+        pass
+    return " ".join(["python", shlex.quote(str(script)), *map(shlex.quote, sys.argv[1:])])
+
+
 class Stamp:
     """Taken when a benchmark starts: the load the machine had before it."""
 
@@ -41,8 +54,10 @@ class Stamp:
         self.commit = commit()  # the code that runs, whatever the checkout holds at the end
 
     def fields(self) -> dict:
-        """Commit, date and machine, the load before and after (1, 5, 15-minute averages)."""
-        return {"commit": self.commit,
+        """The command, commit, date and machine, the load before and after (1, 5, 15-minute
+        averages)."""
+        return {"command": command(),
+                "commit": self.commit,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
                 "machine": {"cpus": os.cpu_count(),
                             "load_before": [round(x, 2) for x in self.load_before],
