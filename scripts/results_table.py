@@ -1,0 +1,147 @@
+"""The README's headline results table, written from the benchmarks' JSON lines.
+
+Every figure in the table is read from ``docs/results/<benchmark>.json`` (what the benchmark
+printed last, with the command, commit, date and machine load it ran under), so the README
+quotes nothing by hand. ``python scripts/results_table.py`` rewrites the table between the
+README's ``<!-- results:begin -->`` and ``<!-- results:end -->`` markers; ``--check`` only
+says whether it is current (a test runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+README = REPO / "README.md"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+# The command of a JSON line written before benchmarks recorded their own (``command``).
+COMMANDS = {
+    "allocation.json": "python benchmarks/allocation.py",
+    "allocation_new_prompts.json": "python benchmarks/allocation.py --new-prompts",
+    "update.json": "python benchmarks/update.py",
+    "retrieval.json": "python benchmarks/retrieval.py",
+    "learning.json": "python benchmarks/learning.py --methods uniform,trace --seeds 0,1,2,3,4 "
+                     "--final-samples 16",
+}
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _provenance(name: str, r: dict) -> str:
+    """``commit, date, load`` of a JSON line, in a table cell."""
+    commit = r.get("commit")
+    date = r.get("date")
+    load = (r.get("machine") or {}).get("load_before")
+    load = load[0] if load else r.get("load_average_1m_before")
+    parts = [f"`{commit}`" if commit else "commit not recorded",
+             date or "date not recorded",
+             f"load {load:.1f}" if load is not None else "load not recorded"]
+    return ", ".join(parts)
+
+
+def _row(what: str, figures: str, name: str, r: dict, anchor: str) -> str:
+    command = r.get("command") or COMMANDS[name]
+    return (f"| [{what}](docs/results.md#{anchor}) | {figures} | `{command}` | "
+            f"[{_provenance(name, r)}](docs/results/{name}) |")
+
+
+def _paired(v: dict) -> str:
+    return f"{v['mean']:+.3f} ± {v['se']:.3f} ({v['ahead']}/{v['seeds']} seeds ahead)"
+
+
+def rows() -> list[str]:
+    """The table's rows, one per benchmark whose JSON line is there."""
+    out = []
+    r = _load("learning.json")
+    if r and {"uniform", "trace"} <= set(r["methods"]):
+        u, t = r["methods"]["uniform"], r["methods"]["trace"]
+        final = (f"final held-out accuracy ({r['final_samples']} samples per question) "
+                 f"GRPO {u['final_eval_acc']:.3f}, trace {t['final_eval_acc']:.3f}, "
+                 f"trace - GRPO {_paired(t['vs_uniform']['final_eval'])}"
+                 if r.get("final_samples") else
+                 f"final held-out accuracy GRPO {u['final_acc']:.3f}, trace "
+                 f"{t['final_acc']:.3f}")
+        cost = []
+        for unit, label in (("tokens", "generated tokens"), ("time", "training time")):
+            ratio = r.get(f"trace_{unit}_over_uniform")
+            cost.append(f"{ratio:.2f}x GRPO's {label}" if ratio is not None
+                        else f"{label}: trace's mean curve does not reach it")
+        out.append(_row(
+            "Learning: trace against GRPO, demo budget",
+            f"{len(r['seeds'])} seeds x {r['epochs']} epochs; {final}; effective ratio "
+            f"{u['effective_ratio']:.3f} -> {t['effective_ratio']:.3f}; trace reaches GRPO's "
+            f"final accuracy on the mean per-epoch curve ({r['target']:.3f}) with "
+            f"{' and '.join(cost)}",
+            "learning.json", r, "learning-python-benchmarkslearningpy"))
+    for name, what, anchor in (
+            ("allocation.json", "Allocation: the demo's prompts, which recur",
+             "allocation-python-benchmarksallocationpy"),
+            ("allocation_new_prompts.json", "Allocation: never-seen prompts",
+             "allocation-python-benchmarksallocationpy")):
+        r = _load(name)
+        if r:
+            a = r["allocators"]
+            out.append(_row(
+                what,
+                f"effective ratio GRPO {a['uniform']['effective_ratio']:.3f}, trace "
+                f"{a['trace']['effective_ratio']:.3f}, oracle "
+                f"{a['oracle']['effective_ratio']:.3f}: trace / GRPO "
+                f"{r['trace_over_uniform_effective']:.2f} (target 1.5), trace / oracle "
+                f"{r['trace_over_oracle_effective']:.2f} (target 0.8)",
+                name, r, anchor))
+    r = _load("update.json")
+    if r:
+        out.append(_row(
+            "The update: a tree forwarded once",
+            f"trace's trees against one row per leaf: {r['trace_tokens_ratio']:.2f}x the "
+            f"tokens, {r['trace_time_ratio']:.2f}x the time, the same loss (relative "
+            f"difference {r['trace_loss_rel_diff']:.0e})",
+            "update.json", r, "the-update-a-tree-forwarded-once-python-benchmarksupdatepy"))
+    r = _load("retrieval.json")
+    if r:
+        out.append(_row(
+            "Retrieval server (BM25, HTTP)",
+            f"{r['clients']} clients: {r['requests_per_s']:.0f} requests/s, p50 "
+            f"{r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms, {r['errors']} errors",
+            "retrieval.json", r, "retrieval-python-benchmarksretrievalpy"))
+    return out
+
+
+def table() -> str:
+    """The block between the markers."""
+    head = ["| benchmark | figures | command | commit, date, load (the JSON) |",
+            "| --- | --- | --- | --- |"]
+    return "\n".join([BEGIN, *head, *rows(), END])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if the README's table is not what the JSON files give")
+    args = p.parse_args(argv)
+    text = README.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1:
+        print(f"README.md must hold {BEGIN} and {END} once each", file=sys.stderr)
+        return 1
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    new = text[:start] + table() + text[end:]
+    if args.check:
+        if new != text:
+            print("README.md's results table differs from docs/results/*.json; run "
+                  "python scripts/results_table.py", file=sys.stderr)
+            return 1
+        return 0
+    README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
