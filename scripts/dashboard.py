@@ -25,6 +25,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,15 +70,19 @@ def webdriver(base: str, method: str, path: str, body: dict | None = None) -> di
         return json.loads(r.read())["value"]
 
 
-def wait_for(url: str, timeout_s: float, what: str) -> None:
+def wait_for(url: str, timeout_s: float, failure: str,
+             ready: Callable[[bytes], bool] = lambda body: True) -> None:
+    """Until ``url`` answers with a body ``ready`` accepts; else exit with ``failure``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=5):
-                return
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if ready(r.read()):
+                    return
         except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"{what} did not answer at {url} within {timeout_s:.0f} s")
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{failure} (waited {timeout_s:.0f} s for {url})")
 
 
 def photograph(url: str, out: Path, size: tuple[int, int], wait_s: float) -> None:
@@ -87,7 +92,7 @@ def photograph(url: str, out: Path, size: tuple[int, int], wait_s: float) -> Non
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_for(f"{base}/status", 30, "chromedriver")
+        wait_for(f"{base}/status", 30, "chromedriver did not start")
         options = {"args": ["--headless=new", "--no-sandbox", "--hide-scrollbars",
                             "--use-angle=swiftshader", "--enable-unsafe-swiftshader",
                             f"--window-size={size[0]},{size[1]}"]}
@@ -112,21 +117,6 @@ def photograph(url: str, out: Path, size: tuple[int, int], wait_s: float) -> Non
     out.write_bytes(png)
 
 
-def wait_for_scalars(base: str, timeout_s: float = 120.0) -> None:
-    """Until TensorBoard lists the run's scalar tags (it reads the event files lazily)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{base}/data/plugin/scalars/tags", timeout=5) as r:
-                if json.loads(r.read()):
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise SystemExit(f"TensorBoard at {base} served no scalars within {timeout_s:.0f} s; "
-                     f"is the run folder one with event files?")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", type=Path, help="a run's folder: <save_dir>/<name>/version_<N>")
@@ -146,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                               str(args.run), "--host", "127.0.0.1", "--port", str(port)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for_scalars(base)
+        # TensorBoard reads the event files lazily: wait until it lists the run's scalars
+        wait_for(f"{base}/data/plugin/scalars/tags", 120,
+                 f"TensorBoard served no scalars of {args.run}; is it a run's folder?",
+                 ready=lambda body: bool(json.loads(body)))
         url = f"{base}/?tagFilter={urllib.parse.quote(args.tags)}#timeseries"
         width, height = (int(x) for x in args.size.split(","))
         photograph(url, args.out, (width, height), args.wait)

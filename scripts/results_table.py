@@ -19,14 +19,10 @@ RESULTS = REPO / "docs" / "results"
 README = REPO / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
-# The command of a JSON line written before benchmarks recorded their own (``command``).
+# The command of the JSON lines written before benchmarks recorded their own (``command``).
 COMMANDS = {
     "allocation.json": "python benchmarks/allocation.py",
     "allocation_new_prompts.json": "python benchmarks/allocation.py --new-prompts",
-    "update.json": "python benchmarks/update.py",
-    "retrieval.json": "python benchmarks/retrieval.py",
-    "learning.json": "python benchmarks/learning.py --methods uniform,trace --seeds 0,1,2,3,4 "
-                     "--final-samples 16",
 }
 
 
@@ -35,22 +31,15 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _provenance(name: str, r: dict) -> str:
-    """``commit, date, load`` of a JSON line, in a table cell."""
-    commit = r.get("commit")
-    date = r.get("date")
-    load = (r.get("machine") or {}).get("load_before")
-    load = load[0] if load else r.get("load_average_1m_before")
-    parts = [f"`{commit}`" if commit else "commit not recorded",
-             date or "date not recorded",
-             f"load {load:.1f}" if load is not None else "load not recorded"]
-    return ", ".join(parts)
+def _provenance(r: dict) -> str:
+    """``commit, date, load`` of a JSON line (``provenance.publish``), in a table cell."""
+    return f"`{r['commit']}`, {r['date']}, load {r['machine']['load_before'][0]:.1f}"
 
 
 def _row(what: str, figures: str, name: str, r: dict, anchor: str) -> str:
     command = r.get("command") or COMMANDS[name]
     return (f"| [{what}](docs/results.md#{anchor}) | {figures} | `{command}` | "
-            f"[{_provenance(name, r)}](docs/results/{name}) |")
+            f"[{_provenance(r)}](docs/results/{name}) |")
 
 
 def _paired(v: dict) -> str:
