@@ -72,6 +72,9 @@ KEYS = {"acc": "val/demo_heldout/em", "acc_in": "val/demo_heldin/em",
         "effective": "rollout/effective_ratio", "informative": "rollout/informative_leaf_share",
         "leaves": "alloc/leaves", "tokens": "alloc/generated_tokens", "epoch_s": "perf/epoch_s",
         "step_s": "perf/step_s"}
+# Written beside each run this benchmark trains: that run's command, commit, date and the
+# machine's load before and after it (a run read back was trained by an earlier command).
+RUN_RECORD = "run.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -162,11 +165,14 @@ def run(method: str, seed: int, args, root: Path) -> dict:
         if out.exists():
             shutil.rmtree(out)
         cli = [sys.executable, "-m", "trace_lightning.cli"]
+        stamp = provenance.Stamp()
         if args.before:  # accuracy of the warm-started policy, then training
             subprocess.run([*cli, "validate", *configs, *common], check=True, cwd=REPO)
         subprocess.run([*cli, "fit", *configs, *common, f"--trainer.max_epochs={args.epochs}",
                         f"--trainer.check_val_every_n_epoch={args.val_every}"],
                        check=True, cwd=REPO)
+        # the run's own commit, date and load: a summary may read it back much later
+        (out / RUN_RECORD).write_text(json.dumps(stamp.fields()) + "\n")
     before = scalars(out, 0)[0] if args.before else {}
     s, wall_s = scalars(out)
     result = {"method": method, "seed": seed,
@@ -174,7 +180,9 @@ def run(method: str, seed: int, args, root: Path) -> dict:
               "acc_in_before": before.get(KEYS["acc_in"], [None])[-1],
               "acc": s[KEYS["acc"]],
               **{k: s.get(v, []) for k, v in KEYS.items() if k != "acc"},
-              "wall_s": wall_s}
+              "wall_s": wall_s,
+              "trained": (json.loads((out / RUN_RECORD).read_text())
+                          if (out / RUN_RECORD).exists() else None)}
     if args.final_samples:
         result["acc_final_eval"] = final_eval(out, configs, common, args.final_samples)
     return result
@@ -390,7 +398,9 @@ def main(argv=None) -> dict:
                   f"{fmt_paired(v['final_eval']) if v else '':>24s}  {seeds_txt}")
     result = {"benchmark": "learning", "seeds": seeds, "epochs": args.epochs,
               "val_every": args.val_every, "final_samples": args.final_samples,
-              "extra": args.extra, "target": target, "methods": summary}
+              "extra": args.extra, "target": target, "methods": summary,
+              # each run's own provenance (None: trained before runs recorded it)
+              "runs": {f"{r['method']}_seed{r['seed']}": r.get("trained") for r in runs}}
     if "trace" in summary and "uniform" in summary:
         t, u = summary["trace"], summary["uniform"]
         vs = t["vs_uniform"]

@@ -65,9 +65,10 @@ def main(argv=None) -> dict:
     if "uniform" not in args.methods.split(","):
         raise SystemExit("regime.py: --methods must include uniform (the baseline)")
     stamp = provenance.Stamp()
-    rows = {}
+    rows, trained = {}, {}
     for leaves in [int(b) for b in args.budgets.split(",")]:
         r = learning.main(budget_args(leaves, args))
+        trained[leaves] = r["runs"]
         rows[leaves] = {
             m: {"final_eval_acc": v.get("final_eval_acc"),
                 "final_eval_per_seed": v.get("final_eval_per_seed"),
@@ -91,7 +92,8 @@ def main(argv=None) -> dict:
     result = {"benchmark": "regime", "total_leaves": args.total_leaves,
               "seeds": [int(s) for s in args.seeds.split(",")],
               "final_samples": args.final_samples, "extra": args.extra,
-              "budgets": {str(k): v for k, v in rows.items()}}
+              "budgets": {str(k): v for k, v in rows.items()},
+              "runs": {str(k): v for k, v in trained.items()}}
     provenance.publish(result, stamp, args.out, demo_dir="runs/demo/world")
     return result
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -246,3 +247,40 @@ def test_compute_to_target_in_leaves_tokens_and_seconds(bench, tmp_path, monkeyp
     assert line["trace_time_over_uniform"] == pytest.approx(8 / 22)
     assert {"commit", "date", "machine"} <= set(line)
     assert line["machine"]["cpus"] >= 1 and len(line["machine"]["load_before"]) == 3
+
+
+def test_a_trained_run_keeps_its_own_provenance(bench, tmp_path, monkeypatch):
+    """A run the benchmark trains gets run.json (its commit, date and the load before and
+    after it); a later summary reads the run back without training it and reports that
+    record, not its own moment, for the run."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    fits, real_run = [], bench.subprocess.run
+
+    def fit(cmd, **kw):
+        if cmd[0] == "git":  # the provenance's commit
+            return real_run(cmd, **kw)
+        fits.append(cmd)
+        root = Path(next(a for a in cmd if a.startswith("--trainer.default_root_dir="))
+                    .split("=", 1)[1])
+        w = SummaryWriter(str(root / "tensorboard" / "version_0"))
+        for name, v in (("val/demo_heldout/em", 0.43), ("rollout/effective_ratio", 0.5),
+                        ("rollout/informative_leaf_share", 0.5), ("alloc/leaves", 64),
+                        ("alloc/generated_tokens", 2000), ("perf/step_s", 5.0)):
+            w.add_scalar(name, v, 0)
+        w.close()
+
+    monkeypatch.setattr(bench.subprocess, "run", fit)
+    argv = ["--methods", "uniform", "--seeds", "0", "--epochs", "1", "--no-before",
+            "--out-dir", str(tmp_path), "--out", str(tmp_path / "learning.json")]
+    first = bench.main(argv)
+    assert len(fits) == 1 and fits[0][3] == "fit"
+    record = json.loads((tmp_path / "uniform_seed0" / bench.RUN_RECORD).read_text())
+    assert {"command", "commit", "date", "machine"} <= set(record)
+    assert first["runs"] == {"uniform_seed0": record}
+    again = bench.main(argv)
+    assert len(fits) == 1  # read back, not trained again
+    assert again["runs"] == {"uniform_seed0": record}
+    # a run trained before the record existed reads back as unrecorded
+    (tmp_path / "uniform_seed0" / bench.RUN_RECORD).unlink()
+    assert bench.main(argv)["runs"] == {"uniform_seed0": None}
