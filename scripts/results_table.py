@@ -70,6 +70,20 @@ def rows() -> list[str]:
             f"final accuracy on the mean per-epoch curve ({r['target']:.3f}) with "
             f"{' and '.join(cost)}",
             "learning.json", r, "learning-python-benchmarkslearningpy"))
+    r = _load("regime.json")
+    if r:
+        cells = []
+        for leaves, methods in r["budgets"].items():
+            u = methods["uniform"]
+            pairs = ", ".join(f"{m} - GRPO {_paired(v['vs_uniform_final_eval'])}"
+                              for m, v in methods.items() if m != "uniform")
+            cells.append(f"{leaves} leaves per step, GRPO {u['final_eval_acc']:.3f}; {pairs}")
+        out.append(_row(
+            "Learning: where allocation pays (the oracle as the probe)",
+            f"{len(r['seeds'])} seeds x {r['total_leaves']:,} leaves per run; final held-out "
+            f"accuracy ({r['final_samples']} samples per question) at "
+            + "; at ".join(cells),
+            "regime.json", r, "where-allocation-pays-python-benchmarksregimepy"))
     for name, what, anchor in (
             ("allocation.json", "Allocation: the demo's prompts, which recur",
              "allocation-python-benchmarksallocationpy"),
