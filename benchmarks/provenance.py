@@ -1,10 +1,13 @@
 """Where a benchmark's figures come from, and where its JSON line goes.
 
 Every published line carries the commit it ran on (``-dirty``: with uncommitted changes),
-the UTC date, the machine (CPUs, load average before and after the run, so a ratio measured
-beside another job can be told from one measured alone) and, for benchmarks on the demo, a
-fingerprint of the demo world: two clones give the same figures only on the same world, and
-a world's warm start is its own run (its policy's weights are hashed, not assumed).
+the UTC date, the machine (its CPU model, CPUs, load average before and after the run, so
+a ratio measured beside another job can be told from one measured alone) and, for benchmarks
+on the demo, a fingerprint of the demo world: two clones give the same figures only on the
+same world, and a world's warm start is its own run (its policy's weights are hashed, not
+assumed). The warm start stops at a loss threshold, so another CPU's floating-point sums can
+stop it at another step and build another policy from the same settings; the CPU model and
+that step are recorded for this reason.
 
 The line goes to ``docs/results/<benchmark>.json``; the README's headline table and
 docs/results.md quote those files (``scripts/results_table.py`` writes the README's).
@@ -35,6 +38,17 @@ def commit() -> str:
         return "unknown"
 
 
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` ("unknown" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def command() -> str:
     """How this benchmark was started, as one would type it in the checkout's root."""
     script = Path(sys.argv[0]).resolve()
@@ -59,7 +73,7 @@ class Stamp:
         return {"command": command(),
                 "commit": self.commit,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
-                "machine": {"cpus": os.cpu_count(),
+                "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(),
                             "load_before": [round(x, 2) for x in self.load_before],
                             "load_after": [round(x, 2) for x in os.getloadavg()],
                             "wall_s": round(time.time() - self.started, 1)}}
@@ -67,7 +81,7 @@ class Stamp:
 
 def world(demo_dir: str | Path) -> dict | None:
     """The demo world a run used: its settings' and policy weights' SHA-256 (12 hex digits)
-    and the warm start's final loss (None where no demo is prepared there)."""
+    and the warm start's final loss and last step (None where no demo is prepared there)."""
     root = Path(demo_dir)
     if not root.is_absolute():
         root = REPO / root
@@ -84,7 +98,8 @@ def world(demo_dir: str | Path) -> dict | None:
     return {"dir": str(demo_dir),
             "settings_sha256": hashlib.sha256(settings).hexdigest()[:12],
             "policy_sha256": digest.hexdigest()[:12],
-            "warm_start_loss": m.get("warm_start", {}).get("final_loss")}
+            "warm_start_loss": m.get("warm_start", {}).get("final_loss"),
+            "warm_start_steps": m.get("warm_start", {}).get("steps")}
 
 
 def publish(result: dict, stamp: Stamp, out: str | Path | None,

@@ -247,6 +247,26 @@ def test_compute_to_target_in_leaves_tokens_and_seconds(bench, tmp_path, monkeyp
     assert line["trace_time_over_uniform"] == pytest.approx(8 / 22)
     assert {"commit", "date", "machine"} <= set(line)
     assert line["machine"]["cpus"] >= 1 and len(line["machine"]["load_before"]) == 3
+    assert line["machine"]["cpu"]  # the model name, or "unknown"
+
+
+def test_the_world_fingerprint_names_the_policy_and_where_its_warm_start_stopped(bench,
+                                                                                tmp_path):
+    """Two builds of the same settings can stop the warm start at different steps (another
+    CPU's sums): the fingerprint tells them apart by the policy's hash and the step."""
+    import hashlib
+
+    root = tmp_path / "world"
+    (root / "model").mkdir(parents=True)
+    (root / "model" / "model.safetensors").write_bytes(b"weights")
+    (root / "manifest.json").write_text(json.dumps(
+        {"settings": {"seed": 0}, "warm_start": {"final_loss": 0.0587, "steps": 833}}))
+    w = bench.provenance.world(root)
+    assert w["policy_sha256"] == hashlib.sha256(b"weights").hexdigest()[:12]
+    assert w["settings_sha256"] == hashlib.sha256(b'{"seed": 0}').hexdigest()[:12]
+    assert (w["warm_start_loss"], w["warm_start_steps"]) == (0.0587, 833)
+    (root / "model" / "model.safetensors").write_bytes(b"other weights")
+    assert bench.provenance.world(root)["policy_sha256"] != w["policy_sha256"]
 
 
 def test_a_trained_run_keeps_its_own_provenance(bench, tmp_path, monkeypatch):
