@@ -70,8 +70,14 @@ def rows() -> list[str]:
             f"final accuracy on the mean per-epoch curve ({r['target']:.3f}) with "
             f"{' and '.join(cost)}",
             "learning.json", r, "learning-python-benchmarkslearningpy"))
-    r = _load("regime.json")
-    if r:
+    # One row per regime study, each the JSON line of its own command, on two builds of the
+    # demo world (their warm starts stopped at different steps).
+    for name, what in (
+            ("regime.json", "Learning: where allocation pays (the oracle as the probe)"),
+            ("regime_world2.json", "Learning: where allocation pays, a second world build")):
+        r = _load(name)
+        if not r:
+            continue
         cells = []
         for leaves, methods in r["budgets"].items():
             u = methods["uniform"]
@@ -79,11 +85,11 @@ def rows() -> list[str]:
                               for m, v in methods.items() if m != "uniform")
             cells.append(f"{leaves} leaves per step, GRPO {u['final_eval_acc']:.3f}; {pairs}")
         out.append(_row(
-            "Learning: where allocation pays (the oracle as the probe)",
+            what,
             f"{len(r['seeds'])} seeds x {r['total_leaves']:,} leaves per run; final held-out "
             f"accuracy ({r['final_samples']} samples per question) at "
             + "; at ".join(cells),
-            "regime.json", r, "where-allocation-pays-python-benchmarksregimepy"))
+            name, r, "where-allocation-pays-python-benchmarksregimepy"))
     for name, what, anchor in (
             ("allocation.json", "Allocation: the demo's prompts, which recur",
              "allocation-python-benchmarksallocationpy"),
