@@ -95,11 +95,12 @@ def world(demo_dir: str | Path) -> dict | None:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(block)
     settings = json.dumps(m.get("settings"), sort_keys=True).encode()
+    warm = m.get("warm_start", {})
     return {"dir": str(demo_dir),
             "settings_sha256": hashlib.sha256(settings).hexdigest()[:12],
             "policy_sha256": digest.hexdigest()[:12],
-            "warm_start_loss": m.get("warm_start", {}).get("final_loss"),
-            "warm_start_steps": m.get("warm_start", {}).get("steps")}
+            "warm_start_loss": warm.get("final_loss"),
+            "warm_start_steps": warm.get("steps")}
 
 
 def publish(result: dict, stamp: Stamp, out: str | Path | None,
