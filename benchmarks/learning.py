@@ -268,7 +268,7 @@ def main(argv=None) -> dict:
     if unknown:  # before hours of runs, not after
         raise SystemExit(f"learning.py: --methods {args.methods}: no configs/demo_<method>.yaml "
                          f"for {unknown}; the methods are trace and those configs' "
-                         f"(uniform, random_tree, prompt, oracle)")
+                         f"(uniform, random_tree, prompt, prefix, oracle)")
     if args.target is None and "uniform" not in methods:  # before hours of runs, not after
         raise SystemExit("learning.py: --target is needed when --methods has no 'uniform' "
                          "(whose final accuracy is the default target)")

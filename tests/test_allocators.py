@@ -70,6 +70,33 @@ def test_uniform_and_random_tree_schedules():
         assert sum(c for (t, _), c in out.continuations.items() if t == ti) == 8
 
 
+def test_prefix_kind_is_random_tree_roots_with_trace_prefixes():
+    """``prefix`` opens random_tree's prompts (the first M/G of the list, whatever the
+    predictions) and spends each prompt's m_i N continuations as trace does."""
+    alloc = allocator("prefix")
+    assert alloc.branches and alloc.predicts and not alloc.solves_roots
+    assert alloc.root_budget == 8 and alloc.prompts_needed == 2 and alloc.n_explore == 0
+    plan = alloc.plan_roots(10, None, predictor_nodes_seen=10**6)
+    assert plan.rollouts == [4, 4] + [0] * 8 and not plan.cold_start
+    # the hand-derived case of test_trace_branches_failures_where_success_looked_likely:
+    # failures at p = 0.2 and 0.8, budget 2 -> one continuation each
+    two = make_tree("y", [(2, 0.0), (2, 0.0)])
+    for n in two.prefixes():
+        n.prediction = {0: 0.2, 1: 0.8}[n.rollout]
+    out = plan_prefixes(allocator("prefix", continuations=1, roots=2, group_size=2), [two])
+    assert {two.nodes[i].rollout: c for (_, i), c in out.continuations.items()} == {0: 1, 1: 1}
+    # one unit: the high-p failure (gain 0.8 against 0.2)
+    one = make_tree("u", [(3, 0.0)])
+    one.nodes[1].prediction, one.nodes[2].prediction = 0.3, 0.9
+    out = plan_prefixes(allocator("prefix", continuations=1, roots=2, group_size=2), [one])
+    assert out.continuations == {(0, 2): 1}
+    # without predictions on its prefixes it refuses, as trace does
+    bare = make_tree("p", [(2, 0.0), (2, 1.0)])
+    bare.nodes[1].prediction = None
+    with pytest.raises(ValueError, match="kind 'prefix'"):
+        plan_prefixes(allocator("prefix"), [bare])
+
+
 def test_prompt_kind_filters_by_prediction():
     # budget L = 24 on v = [0, 1, 0.5, 0.5, 0.5, 0.5, 0.45]: only the five near 0.5 are
     # worth anything; m_max 6 -> 5 prompts can take all 24 (e.g. 6+6+4+4+4 or 5 x ~5)
@@ -108,6 +135,17 @@ def test_cold_start_falls_back_to_uniform():
         for n in t.prefixes():
             n.prediction = None  # random prefixes do not read predictions
     assert planned_leaves(plan, plan_prefixes(alloc, trees, cold_start=True)) == 24
+    # a cold prefix step is a random_tree step: the same roots and the same random draws
+    cold = allocator("prefix", cold_start_nodes=100)
+    assert cold.is_cold(99) and not cold.is_cold(100)
+    plan = cold.plan_roots(10, None, predictor_nodes_seen=99)
+    assert plan.cold_start and plan.rollouts == [4, 4] + [0] * 8
+    trees = trees_for(plan)
+    for t in trees:
+        for n in t.prefixes():
+            n.prediction = None
+    assert (plan_prefixes(cold, trees, cold_start=True)
+            == plan_prefixes(allocator("random_tree"), trees_for(plan)))
     # the oracle never cold-starts
     assert not allocator("oracle", cold_start_nodes=100).plan_roots(
         10, predictions(10), 0).cold_start
@@ -229,13 +267,13 @@ def random_trees(rng, n: int) -> list[RolloutTree]:
     return trees
 
 
-@pytest.mark.parametrize("kind", ["trace", "random_tree"])
+@pytest.mark.parametrize("kind", ["trace", "prefix", "random_tree"])
 @pytest.mark.parametrize("cap", [None, 1])
 def test_planning_tree_by_tree_gives_the_one_shot_counts(kind, cap):
     """The per-prompt schedule (``plan`` on each turn's finished trees, in any order and
     grouping; the pool once all are planned) gives exactly the one-shot ``plan_prefixes``'
-    counts over all trees at once (``references``), ties included; for trace those are
-    ``spread_prefix_budget``'s, and for random_tree the draws do not depend on the finish
+    counts over all trees at once (``references``), ties included; for trace and prefix
+    those are ``spread_prefix_budget``'s, and for random_tree the draws do not depend on the finish
     order either."""
     import numpy as np
 
@@ -262,7 +300,7 @@ def test_planning_tree_by_tree_gives_the_one_shot_counts(kind, cap):
                    for t in trees for n in t.prefixes())
         budgets = [2 * len(t.bare_rollouts()) for t in trees]
         assert sum(got.values()) + planner.unspent == sum(budgets)  # conserved exactly
-        if kind == "trace":
+        if kind != "random_tree":
             pairs = [[(bare_reward(t, n.rollout), n.prediction) for n in t.prefixes()]
                      for t in trees]
             spread = spread_prefix_budget(pairs, budgets, cap)

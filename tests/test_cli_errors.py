@@ -27,7 +27,7 @@ def test_a_parse_error_is_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.splitlines() == [
         "error: Parser key \"data.allocator.kind\": Expected a typing.Literal['uniform', "
-        "'random_tree', 'prompt', 'trace', 'oracle']. Got value: nope"]
+        "'random_tree', 'prompt', 'prefix', 'trace', 'oracle']. Got value: nope"]
     monkeypatch.setenv("TRACE_LIGHTNING_DEBUG", "1")
     with pytest.raises(SystemExit):
         main(["fit", "--config", DEMO, "--data.allocator.kind=nope"])

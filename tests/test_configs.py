@@ -17,8 +17,8 @@ from trace_lightning.tasks.search_qa.config import DemoConfig, EvalSet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-OVERLAYS = {"demo_uniform.yaml", "demo_random_tree.yaml", "demo_prompt.yaml", "demo_oracle.yaml",
-            "demo_gpu.yaml"}
+OVERLAYS = {"demo_uniform.yaml", "demo_random_tree.yaml", "demo_prompt.yaml", "demo_prefix.yaml",
+            "demo_oracle.yaml", "demo_gpu.yaml"}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)

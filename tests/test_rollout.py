@@ -30,6 +30,7 @@ from trace_lightning.tasks.search_qa.environment import SearchEnvironment, parse
 from trace_lightning.models import build_tiny_from_corpus
 from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, RetrieverError
 from trace_lightning.rollout.agent import AgentLoop, Start
+from trace_lightning.allocation.allocators import bare_reward
 from trace_lightning.tree import Budget, RolloutTree
 
 BLOCK = 32  # the engine's KV block; the prefix cache reuses whole blocks only
@@ -743,6 +744,48 @@ def test_hf_and_vllm_agree_on_a_greedy_scripted_policy(vllm_scripted, policies, 
         for hn, vn in zip(h.nodes, v.nodes):
             torch.testing.assert_close(torch.tensor(hn.logprobs), torch.tensor(vn.logprobs),
                                        atol=1e-3, rtol=0)
+
+
+def test_prefix_kind_predicts_only_the_opened_trees_and_branches_where_planned(
+        vllm_scripted, retriever, tokenizer, examples):
+    """``prefix`` (random_tree's roots, trace's prefixes): stage 1 opens the first M/G
+    candidates without predicting any (its plan reads none), and each tree is predicted
+    once its bare rollouts end, then branched where ``solve_prefixes`` puts the budget:
+    with every prefix predicted 1.0, only failed rollouts' prefixes gain (q = 1 - r), and
+    each tree spends its own m_i N = 2 there. (Seed 0: the first tree's rollout 1 succeeds
+    through one prefix beside three failed ones, where random prefixes would land with
+    probability 1 - (3/4)^2.)"""
+    from trace_lightning.allocation.allocators import Allocator
+    from trace_lightning.rollout.step import collect_step
+
+    alloc = Allocator("prefix", roots=4, continuations=1, max_rollouts_per_prompt=4,
+                      group_size=2)
+    predicted: list[list[str]] = []
+
+    def predict(trees: list[RolloutTree]) -> None:
+        predicted.append([t.tree_id for t in trees])
+        for t in trees:
+            for n in [t.root, *t.prefixes()]:
+                n.prediction = 1.0
+
+    loop = AgentLoop(vllm_scripted, make_env(tokenizer, retriever, max_turns=3), SAMPLING)
+    step = collect_step(loop, alloc, examples, predict=predict, predictor_nodes_seen=10**6,
+                        epoch=0, seed=0, advantage="grpo")
+    opened = [examples[0].id, examples[1].id]
+    assert step.root_plan == [2, 2] + [0] * (len(examples) - 2) and not step.cold_start
+    assert [t.tree_id for t in step.trees] == opened
+    assert sorted(i for call in predicted for i in call) == opened  # each opened tree once
+    assert step.budget.leaves == 8 == len(step.sequences) and step.stage1 == [2, 2]
+    succeeded = 0
+    for t in step.trees:
+        failed = {j for j in range(2) if bare_reward(t, j) == 0.0}
+        succeeded += sum(n.rollout not in failed for n in t.prefixes() if n.rollout in (0, 1))
+        for n in t.nodes:
+            if n.continuations:  # a prefix of a stage-1 bare rollout that failed
+                assert n.rollout in failed and n.prediction == 1.0
+        assert sum(n.continuations for n in t.nodes) == 2
+    assert succeeded > 0, "a successful rollout's prefix, where random prefixes could land"
+    assert step.unspent == 0
 
 
 def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retriever,

@@ -10,6 +10,8 @@ budget ``(M, N)``)::
     random_tree  (TreePO)         M/G prompts x G bare rollouts; m_i N continuations each,
                                   from prefixes drawn uniformly at random (with replacement)
     prompt       (PCL-like)       solve_roots with budget L on predictions, no branching
+    prefix                        random_tree's roots; m_i N continuations per prompt by
+                                  solve_prefixes on (r, p), as trace's stage 2
     trace        (TRACE)          solve_roots with budget M, then solve_prefixes with budget
                                   m_i N per prompt on (r, p) = (bare rollout's reward,
                                   prediction at the prefix)
@@ -21,10 +23,14 @@ single-turn, or its prefixes are capped) is pooled and spent on other prompts' p
 
 Exploration (``prompt``, ``trace``, ``oracle``): ``floor(explore_fraction * B / G)`` prompts
 (B the root budget) get G rollouts each, drawn by the allocator's RNG among the prompts the
-solver left out; the solver spends the rest. Cold start (``prompt``, ``trace``): while the
-predictor has trained on fewer than ``cold_start_nodes`` nodes, roots are planned as by
-``uniform`` (``trace``: as by ``random_tree``, random prefixes included), so an untrained
-predictor steers nothing. ``oracle`` never cold-starts: its inputs are not a trained model.
+solver left out; the solver spends the rest. Cold start (``prompt``, ``prefix``, ``trace``):
+while the predictor has trained on fewer than ``cold_start_nodes`` nodes, roots are planned
+as by ``uniform`` (``prefix``, ``trace``: as by ``random_tree``, random prefixes included),
+so an untrained predictor steers nothing. ``oracle`` never cold-starts: its inputs are not a
+trained model.
+
+``prompt`` and ``prefix`` are trace's two stages one at a time: with ``random_tree`` (neither)
+they tell which of trace's choices pays on a given world and budget.
 
 How ``rollout.step.collect_step`` calls it, once per step::
 
@@ -57,10 +63,12 @@ from trace_lightning.math.solvers import (
 )
 from trace_lightning.tree import Node, RolloutTree
 
-Kind = Literal["uniform", "random_tree", "prompt", "trace", "oracle"]
+Kind = Literal["uniform", "random_tree", "prompt", "prefix", "trace", "oracle"]
 KINDS: tuple[str, ...] = get_args(Kind)
-_BRANCHING = ("random_tree", "trace", "oracle")  # kinds that spend continuations on prefixes
+_BRANCHING = ("random_tree", "prefix", "trace", "oracle")  # spend continuations on prefixes
 _SOLVED = ("prompt", "trace", "oracle")  # kinds whose roots come from solve_roots
+_LEARNED = ("prompt", "prefix", "trace")  # kinds planned by the trained predictor (cold start)
+_UNIFORM_ROOTS = ("uniform", "random_tree", "prefix")  # stage 1 is G rollouts per prompt
 
 
 @dataclass
@@ -111,8 +119,9 @@ class Allocator:
 
     Args:
         kind: ``uniform`` (GRPO), ``random_tree`` (TreePO random node), ``prompt`` (PCL-like
-            root filtering), ``trace`` (roots + prefixes by predicted success) or ``oracle``
-            (trace on true success probabilities).
+            root filtering), ``prefix`` (random_tree's roots, prefixes by predicted success),
+            ``trace`` (roots + prefixes by predicted success) or ``oracle`` (trace on true
+            success probabilities).
         roots: root budget ``M`` per step (the paper's M).
         continuations: continuations ``N`` per bare rollout (the paper's N); leaves per step
             are ``M (1 + N)`` for every kind.
@@ -120,7 +129,8 @@ class Allocator:
         group_size: rollouts per prompt for uniform schedules, exploration and cold start.
         prompts_per_step: most prompts opened per step (None: no limit).
         explore_fraction: share of the root budget given to random prompts (solved kinds).
-        cold_start_nodes: predictor training nodes needed before ``prompt``/``trace`` trust it.
+        cold_start_nodes: predictor training nodes needed before ``prompt``/``prefix``/``trace``
+            trust it.
         max_continuations_per_prefix: most continuations from one prefix (None: no limit).
         seed: seed of the allocator's RNGs: one for exploration picks, drawn in
             ``plan_roots`` (identically on every rank: all plan the same global step), one
@@ -177,13 +187,12 @@ class Allocator:
         self._explore_rng = np.random.default_rng([seed, 1])  # exploration (global draws)
 
         # the uniform schedule this kind may use: L/G (uniform, prompt) or M/G prompts of G
-        can_be_uniform = kind in ("uniform", "random_tree") or (
-            kind in ("prompt", "trace") and cold_start_nodes > 0)
+        can_be_uniform = kind in _UNIFORM_ROOTS or (kind in _LEARNED and cold_start_nodes > 0)
         if can_be_uniform:
             budget = self.root_budget
             if budget % group_size:
                 what = f"{f}roots * (1 + {f}continuations)" if budget != roots else f"{f}roots"
-                why = "" if kind in ("uniform", "random_tree") else " (cold start plans uniformly)"
+                why = "" if kind in _UNIFORM_ROOTS else " (cold start plans uniformly)"
                 raise ValueError(f"{what} ({budget}) must be a multiple of {f}group_size "
                                  f"({group_size}) when kind is {kind!r}{why}: every prompt gets "
                                  f"group_size rollouts; change {f}roots or {f}group_size")
@@ -221,6 +230,11 @@ class Allocator:
     @property
     def predicts(self) -> bool:
         """Whether this kind plans from success predictions (once out of its cold start)."""
+        return self.kind in _SOLVED or self.kind in _LEARNED
+
+    @property
+    def solves_roots(self) -> bool:
+        """Whether stage 1 reads predictions (every candidate's root is then predicted)."""
         return self.kind in _SOLVED
 
     @property
@@ -241,14 +255,14 @@ class Allocator:
         a cold start), or the prompts that spend the solver's budget at ``m_max`` each plus
         the exploration prompts, whichever is more."""
         uniform = self.root_budget // self.group_size
-        if self.kind in ("uniform", "random_tree"):
+        if self.kind in _UNIFORM_ROOTS:
             return uniform
         solve = self.root_budget - self.n_explore * self.group_size
         solved = -(-solve // self.max_rollouts_per_prompt) + self.n_explore
         return max(solved, uniform) if self.cold_start_nodes > 0 else solved
 
     def is_cold(self, predictor_nodes_seen: int) -> bool:
-        return self.kind in ("prompt", "trace") and predictor_nodes_seen < self.cold_start_nodes
+        return self.kind in _LEARNED and predictor_nodes_seen < self.cold_start_nodes
 
     # ---- stage 1 ---------------------------------------------------------------------------
     def plan_roots(self, n_candidates: int, predictions: Sequence[float] | None = None,
@@ -267,7 +281,7 @@ class Allocator:
         """
         cand = "--data.candidates_per_step"
         cold = self.is_cold(predictor_nodes_seen)
-        if self.kind in ("uniform", "random_tree") or cold:
+        if self.kind in _UNIFORM_ROOTS or cold:
             k = self.root_budget // self.group_size
             if n_candidates < k:
                 raise ValueError(f"{cand} ({n_candidates}) is below the {k} prompts of "
@@ -356,7 +370,7 @@ class PrefixPlanner:
 
     Args:
         allocator: the step's allocator (a kind with branching).
-        cold_start: the root plan's ``cold_start`` (``trace`` then branches at random).
+        cold_start: the root plan's ``cold_start`` (``prefix``/``trace`` then branch at random).
         trees: every tree of the step this planner will plan, in step order.
     """
 
@@ -380,8 +394,8 @@ class PrefixPlanner:
         return all(p is not None for p in self._prefixes)
 
     def plan(self, trees: Sequence[RolloutTree]) -> list[tuple[RolloutTree, int, int]]:
-        """Phase 1 for ``trees`` (bare rollouts finished and scored; ``trace``/``oracle``:
-        every prefix predicted): ``(tree, node id, continuations)`` to sample, zeros left out."""
+        """Phase 1 for ``trees`` (bare rollouts finished and scored; ``prefix``/``trace``/
+        ``oracle``: every prefix predicted): ``(tree, node id, continuations)`` to sample, zeros left out."""
         alloc, cap = self.allocator, self.allocator.max_continuations_per_prefix
         out = []
         for t in trees:

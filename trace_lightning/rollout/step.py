@@ -58,7 +58,7 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
                  overlap: bool = True) -> RolloutStep:
     """Build one step's trees with ``allocator`` and turn them into training sequences.
 
-    ``predict`` is the shared predictor for ``trace``/``prompt``, or an estimate from extra
+    ``predict`` is the shared predictor for ``trace``/``prompt``/``prefix``, or an estimate from extra
     rollouts for ``oracle`` (see ``oracle_predict``); allocators that need no predictions
     never call it. ``shard=(rank, world_size)``: every rank plans the same global budget and
     rolls out the chosen prompts ``rank::world_size``. ``agree`` makes the ranks' root plans
@@ -81,16 +81,18 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
     trees = [loop.new_tree(e) for e in candidates]
     cold = allocator.is_cold(predictor_nodes_seen)
     informed = allocator.predicts and not cold
-    if informed:
-        if predict is None:
-            raise ValueError(f"allocator kind {allocator.kind!r} needs predictions; pass "
-                             f"the predictor (or oracle_predict for 'oracle')")
+    if informed and predict is None:
+        raise ValueError(f"allocator kind {allocator.kind!r} needs predictions; pass "
+                         f"the predictor (or oracle_predict for 'oracle')")
+    by_prediction = informed and allocator.solves_roots  # stage 1 reads every candidate's root
+    if by_prediction:
         predict(trees)
     seconds["predict"] = time.perf_counter() - tic
 
     plan = allocator.plan_roots(len(trees), [t.root.prediction for t in trees]
-                                if informed else None, predictor_nodes_seen,
-                                [t.root.prediction_count for t in trees] if informed else None)
+                                if by_prediction else None, predictor_nodes_seen,
+                                [t.root.prediction_count for t in trees]
+                                if by_prediction else None)
     if agree is not None:
         plan = agree(plan)
     rank, world = shard
