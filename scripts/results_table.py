@@ -70,11 +70,31 @@ def rows() -> list[str]:
             f"final accuracy on the mean per-epoch curve ({r['target']:.3f}) with "
             f"{' and '.join(cost)}",
             "learning.json", r, "learning-python-benchmarkslearningpy"))
+    r = _load("learning_64.json")
+    if r and "uniform" in r["methods"]:
+        u = r["methods"]["uniform"]
+        reach = []
+        for m, v in r["methods"].items():
+            if m == "uniform":
+                continue
+            cost = [v[f"{unit}_to_target_mean_curve"] / u[f"{unit}_to_target_mean_curve"]
+                    if v[f"{unit}_to_target_mean_curve"] is not None else None
+                    for unit in ("tokens", "time")]
+            reach.append(f"{m} reaches it with {cost[0]:.2f}x GRPO's generated tokens and "
+                         f"{cost[1]:.2f}x its training time" if None not in cost
+                         else f"{m}'s mean curve does not reach it")
+        out.append(_row(
+            "Learning: compute to GRPO's final accuracy at 64 leaves per step, second build",
+            f"{len(r['seeds'])} seeds x {r['epochs']} epochs, held-out accuracy every "
+            f"{r['val_every']} epochs; GRPO's final on the mean curve {r['target']:.3f}: "
+            + "; ".join(reach),
+            "learning_64.json", r, "compute-to-target-at-64-leaves-per-step"))
     # One row per regime study, each the JSON line of its own command, on two builds of the
     # demo world (their warm starts stopped at different steps).
     for name, what in (
             ("regime.json", "Learning: where allocation pays (the oracle as the probe)"),
-            ("regime_world2.json", "Learning: where allocation pays, a second world build")):
+            ("regime_world2.json", "Learning: where allocation pays, a second world build"),
+            ("regime_choices.json", "Learning: trace's choices one at a time, second build")):
         r = _load(name)
         if not r:
             continue

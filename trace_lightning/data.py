@@ -81,7 +81,7 @@ class TraceDataModule(L.LightningDataModule):
         val_samples: rollouts per validation question; the metrics average over them
             (pass@1 estimated from ``val_samples`` samples; use 1 when greedy).
         allocator: how each step's budget is spread (``uniform``, ``random_tree``,
-            ``prompt``, ``trace``, ``oracle``).
+            ``prompt``, ``prefix``, ``trace``, ``oracle``).
         candidates_per_step: prompts the allocator chooses from each step.
         advantage: tree advantage (linked from ``model.advantage``).
         tree_packing: pack each tree as one sequence, mini-batches of whole trees (linked

@@ -230,7 +230,7 @@ class Allocator:
     @property
     def predicts(self) -> bool:
         """Whether this kind plans from success predictions (once out of its cold start)."""
-        return self.kind in _SOLVED or self.kind in _LEARNED
+        return self.kind in _SOLVED + _LEARNED
 
     @property
     def solves_roots(self) -> bool:
@@ -394,8 +394,9 @@ class PrefixPlanner:
         return all(p is not None for p in self._prefixes)
 
     def plan(self, trees: Sequence[RolloutTree]) -> list[tuple[RolloutTree, int, int]]:
-        """Phase 1 for ``trees`` (bare rollouts finished and scored; ``prefix``/``trace``/
-        ``oracle``: every prefix predicted): ``(tree, node id, continuations)`` to sample, zeros left out."""
+        """Phase 1 for ``trees`` (bare rollouts finished and scored; ``prefix``, ``trace``
+        and ``oracle``: every prefix predicted): ``(tree, node id, continuations)`` to
+        sample, zeros left out."""
         alloc, cap = self.allocator, self.allocator.max_continuations_per_prefix
         out = []
         for t in trees:
