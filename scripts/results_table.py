@@ -95,7 +95,8 @@ def rows() -> list[str]:
             ("regime.json", "Learning: where allocation pays (the oracle as the probe)"),
             ("regime_world2.json", "Learning: where allocation pays, a second world build"),
             ("regime_choices.json", "Learning: trace's choices one at a time, second build"),
-            ("regime_tree.json", "Learning: the tree at 64 leaves per step, 10 seeds, second build")):
+            ("regime_tree.json",
+             "Learning: the tree at 64 leaves per step, 10 seeds, second build")):
         r = _load(name)
         if not r:
             continue

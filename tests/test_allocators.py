@@ -78,23 +78,7 @@ def test_prefix_kind_is_random_tree_roots_with_trace_prefixes():
     assert alloc.root_budget == 8 and alloc.prompts_needed == 2 and alloc.n_explore == 0
     plan = alloc.plan_roots(10, None, predictor_nodes_seen=10**6)
     assert plan.rollouts == [4, 4] + [0] * 8 and not plan.cold_start
-    # the hand-derived case of test_trace_branches_failures_where_success_looked_likely:
-    # failures at p = 0.2 and 0.8, budget 2 -> one continuation each
-    two = make_tree("y", [(2, 0.0), (2, 0.0)])
-    for n in two.prefixes():
-        n.prediction = {0: 0.2, 1: 0.8}[n.rollout]
-    out = plan_prefixes(allocator("prefix", continuations=1, roots=2, group_size=2), [two])
-    assert {two.nodes[i].rollout: c for (_, i), c in out.continuations.items()} == {0: 1, 1: 1}
-    # one unit: the high-p failure (gain 0.8 against 0.2)
-    one = make_tree("u", [(3, 0.0)])
-    one.nodes[1].prediction, one.nodes[2].prediction = 0.3, 0.9
-    out = plan_prefixes(allocator("prefix", continuations=1, roots=2, group_size=2), [one])
-    assert out.continuations == {(0, 2): 1}
-    # without predictions on its prefixes it refuses, as trace does
-    bare = make_tree("p", [(2, 0.0), (2, 1.0)])
-    bare.nodes[1].prediction = None
-    with pytest.raises(ValueError, match="kind 'prefix'"):
-        plan_prefixes(allocator("prefix"), [bare])
+    # its stage 2 is trace's: the hand-derived trace tests below run for both kinds
 
 
 def test_prompt_kind_filters_by_prediction():
@@ -230,13 +214,14 @@ def test_single_turn_prompt_returns_its_budget_to_the_pool():
     assert out.leaves == 0 and out.unspent == 4 and out.pool_returned == 4
 
 
-def test_trace_branches_failures_where_success_looked_likely():
+@pytest.mark.parametrize("kind", ["trace", "prefix"])
+def test_trace_branches_failures_where_success_looked_likely(kind):
     # one tree, three 2-turn bare rollouts (one prefix each), N = 1 -> budget 3, no cap.
     # rollout 0 failed (r=0), p=0.9: q = 0.1, gains 0.9, 0.09, 0.009, ...
     # rollout 1 failed (r=0), p=0.1: q = 0.9, gains 0.1, 0.09, ...
     # rollout 2 succeeded (r=1), p=0.9: q = 0.9, gains 0.1, 0.09, ...
     # greedy: 0.9 (r0); 0.1 (r1; tie with r2 by index); 0.1 (r2) -> one each at budget 3.
-    alloc = allocator("trace", continuations=1, roots=2, group_size=2)
+    alloc = allocator(kind, continuations=1, roots=2, group_size=2)
     t = make_tree("x", [(2, 0.0), (2, 0.0), (2, 1.0)])
     for n in t.prefixes():
         n.prediction = {0: 0.9, 1: 0.1, 2: 0.9}[n.rollout]
@@ -273,8 +258,8 @@ def test_planning_tree_by_tree_gives_the_one_shot_counts(kind, cap):
     """The per-prompt schedule (``plan`` on each turn's finished trees, in any order and
     grouping; the pool once all are planned) gives exactly the one-shot ``plan_prefixes``'
     counts over all trees at once (``references``), ties included; for trace and prefix
-    those are ``spread_prefix_budget``'s, and for random_tree the draws do not depend on the finish
-    order either."""
+    those are ``spread_prefix_budget``'s, and for random_tree the draws do not depend on the
+    finish order either."""
     import numpy as np
 
     for seed in range(30):
@@ -355,10 +340,11 @@ def test_unfinished_bare_rollout_is_rejected():
         plan_prefixes(allocator("trace"), [t])
 
 
-def test_trace_prefers_high_p_failure_with_one_unit():
+@pytest.mark.parametrize("kind", ["trace", "prefix"])
+def test_trace_prefers_high_p_failure_with_one_unit(kind):
     # a tree with one bare rollout (budget 1 * N, N = 1) holding two prefixes of a failure:
     # turn 1 predicted 0.3 (q = 0.7, gain 0.3), turn 2 predicted 0.9 (q = 0.1, gain 0.9)
-    alloc = allocator("trace", continuations=1, roots=2, group_size=2)
+    alloc = allocator(kind, continuations=1, roots=2, group_size=2)
     t = make_tree("u", [(3, 0.0)])
     t.nodes[1].prediction, t.nodes[2].prediction = 0.3, 0.9
     out = plan_prefixes(alloc, [t])
@@ -370,11 +356,12 @@ def test_trace_prefers_high_p_failure_with_one_unit():
     assert plan_prefixes(alloc, [t]).continuations == {(0, 1): 1}
 
 
-def test_trace_needs_predictions_on_prefixes():
+@pytest.mark.parametrize("kind", ["trace", "prefix"])
+def test_trace_needs_predictions_on_prefixes(kind):
     t = make_tree("p", [(2, 0.0), (2, 1.0)])
     t.nodes[1].prediction = None
-    with pytest.raises(ValueError, match="no prediction"):
-        plan_prefixes(allocator("trace"), [t])
+    with pytest.raises(ValueError, match=rf"no prediction.*\(kind '{kind}'\)"):
+        plan_prefixes(allocator(kind), [t])
 
 
 @pytest.mark.parametrize("kw, match", [

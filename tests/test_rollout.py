@@ -776,15 +776,15 @@ def test_prefix_kind_predicts_only_the_opened_trees_and_branches_where_planned(
     assert [t.tree_id for t in step.trees] == opened
     assert sorted(i for call in predicted for i in call) == opened  # each opened tree once
     assert step.budget.leaves == 8 == len(step.sequences) and step.stage1 == [2, 2]
-    succeeded = 0
+    success_prefixes = 0
     for t in step.trees:
         failed = {j for j in range(2) if bare_reward(t, j) == 0.0}
-        succeeded += sum(n.rollout not in failed for n in t.prefixes() if n.rollout in (0, 1))
+        success_prefixes += sum(n.rollout not in failed for n in t.prefixes() if n.rollout in (0, 1))
         for n in t.nodes:
             if n.continuations:  # a prefix of a stage-1 bare rollout that failed
                 assert n.rollout in failed and n.prediction == 1.0
         assert sum(n.continuations for n in t.nodes) == 2
-    assert succeeded > 0, "a successful rollout's prefix, where random prefixes could land"
+    assert success_prefixes > 0, "a successful rollout's prefix, where random prefixes could land"
     assert step.unspent == 0
 
 

@@ -60,8 +60,9 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
 
     ``predict`` is the shared predictor for ``prompt``, ``prefix`` and ``trace``, or an
     estimate from extra rollouts for ``oracle`` (see ``oracle_predict``); allocators that need
-    no predictions never call it (``prefix`` only on the opened prompts, as they branch). ``shard=(rank, world_size)``: every rank plans the same global budget and
-    rolls out the chosen prompts ``rank::world_size``. ``agree`` makes the ranks' root plans
+    no predictions never call it (``prefix`` only on the opened prompts, as they branch).
+    ``shard=(rank, world_size)``: every rank plans the same global budget and rolls out the
+    chosen prompts ``rank::world_size``. ``agree`` makes the ranks' root plans
     one (the data module passes rank 0's to all): each rank computes its own predictions,
     and a last-bit difference between them (GPU kernels) could flip a solver's choice, so a
     prompt would be rolled out twice and another not at all. ``any_rank`` (several
