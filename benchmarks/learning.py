@@ -72,6 +72,9 @@ KEYS = {"acc": "val/demo_heldout/em", "acc_in": "val/demo_heldin/em",
         "effective": "rollout/effective_ratio", "informative": "rollout/informative_leaf_share",
         "leaves": "alloc/leaves", "tokens": "alloc/generated_tokens", "epoch_s": "perf/epoch_s",
         "step_s": "perf/step_s"}
+# The predictor's out-of-sample quality (callbacks/METRICS.md), averaged over a run's epochs
+PREDICTOR_TAGS = [f"predictor/{part}{metric}" for part in ("", "roots/", "prefixes/")
+                  for metric in ("brier_skill", "brier_skill_vs_previous", "spearman")]
 # Written beside each run this benchmark trains: that run's command, commit, date and the
 # machine's load before and after it (a run read back was trained by an earlier command).
 RUN_RECORD = "run.json"
@@ -122,6 +125,12 @@ def scalars(run_dir: Path, version: int = -1) -> tuple[dict[str, list[float]], f
     events = [e for t in acc.Tags()["scalars"] for e in acc.Scalars(t)]
     span = max(e.wall_time for e in events) - min(e.wall_time for e in events) if events else 0.0
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}, span
+
+
+def predictor_means(per_run: list[dict[str, float]]) -> dict[str, float]:
+    """Each ``PREDICTOR_TAGS`` entry's mean over the runs that logged it (their epochs' mean)."""
+    return {t: float(np.mean([r[t] for r in per_run if t in r]))
+            for t in PREDICTOR_TAGS if any(t in r for r in per_run)}
 
 
 def _finished(out: Path, epochs: int, held_in: bool, val_every: int = 1,
@@ -181,6 +190,9 @@ def run(method: str, seed: int, args, root: Path) -> dict:
               "acc": s[KEYS["acc"]],
               **{k: s.get(v, []) for k, v in KEYS.items() if k != "acc"},
               "wall_s": wall_s,
+              # runs logged before a tag existed have none: it is left out
+              "predictor": {t: float(np.nanmean(s[t])) for t in PREDICTOR_TAGS
+                            if s.get(t) and not np.all(np.isnan(s[t]))},
               "trained": (json.loads((out / RUN_RECORD).read_text())
                           if (out / RUN_RECORD).exists() else None)}
     if args.final_samples:
@@ -303,6 +315,8 @@ def main(argv=None) -> dict:
             "wall_s": float(np.mean([r["wall_s"] for r in rs])),
             "final_acc_per_seed": acc[:, -1].tolist(),
             "effective_per_seed": [float(np.mean(r["effective"])) for r in rs],
+            # the epochs' mean per seed, then over the seeds that logged the tag
+            "predictor": predictor_means([r.get("predictor", {}) for r in rs]),
         }
         if args.held_in:
             acc_in = np.array([r["acc_in"] for r in rs])  # (seeds, epochs)

@@ -75,6 +75,7 @@ def main(argv=None) -> dict:
                 "effective_ratio": v["effective_ratio"],
                 "generated_tokens_per_step": v["generated_tokens_per_step"],
                 "step_s": v["step_s"],
+                "predictor": v.get("predictor", {}),
                 "vs_uniform_final_eval": v.get("vs_uniform", {}).get("final_eval"),
                 "vs_uniform_effective": v.get("vs_uniform", {}).get("effective_ratio")}
             for m, v in r["methods"].items()}

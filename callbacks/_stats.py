@@ -26,7 +26,7 @@ Definitions (every std is the population std, ``ddof=0``, so a group of one has 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -304,16 +304,42 @@ def calibration_points(trees: Sequence[RolloutTree]) -> CalibrationPoints:
     return pts
 
 
-def calibration_metrics(pts: CalibrationPoints, bins: int = 10) -> dict[str, float]:
+def calibration_metrics(pts: CalibrationPoints, bins: int = 10,
+                        previous: Mapping[str, float] | None = None) -> dict[str, float]:
     """``predictor/*``: leaf-weighted Brier vs. the constant-mean baseline, skill, ECE,
-    unweighted Spearman, counts. Empty when no node has a prediction."""
+    unweighted Spearman, counts; the same per part as ``predictor/roots/*`` (what stage 1
+    reads) and ``predictor/prefixes/*`` (stage 2). Empty when no node has a prediction.
+
+    Each part's ``brier_skill`` beats the part's own mean outcome, a constant known only in
+    hindsight (it knows which prompts the step drew); ``brier_skill_vs_previous`` beats the
+    constant ``previous[<outcome_mean key>]`` (the last logged step's mean outcome of that
+    part), which a predictor knowing only the past could have said. Absent without
+    ``previous`` for that part.
+    """
     if not pts.p:
         return {}
-    return {"predictor/brier": brier(pts.p, pts.y, pts.w),
-            "predictor/brier_baseline": brier_baseline(pts.y, pts.w),
-            "predictor/brier_skill": brier_skill(pts.p, pts.y, pts.w),
-            "predictor/ece": expected_calibration_error(pts.p, pts.y, pts.w, bins=bins),
-            "predictor/spearman": spearman(pts.p, pts.y),
-            "predictor/prediction_mean": mean(pts.p),
-            "predictor/nodes": float(len(pts.p)),
-            "predictor/roots": float(sum(pts.is_root))}
+    out = {"predictor/brier": brier(pts.p, pts.y, pts.w),
+           "predictor/brier_baseline": brier_baseline(pts.y, pts.w),
+           "predictor/brier_skill": brier_skill(pts.p, pts.y, pts.w),
+           "predictor/ece": expected_calibration_error(pts.p, pts.y, pts.w, bins=bins),
+           "predictor/spearman": spearman(pts.p, pts.y),
+           "predictor/prediction_mean": mean(pts.p),
+           "predictor/nodes": float(len(pts.p)),
+           "predictor/roots": float(sum(pts.is_root))}
+    root = np.asarray(pts.is_root, dtype=bool)
+    p, y, w = np.asarray(pts.p), np.asarray(pts.y), np.asarray(pts.w)
+    for prefix, mask in (("predictor", np.ones_like(root)), ("predictor/roots", root),
+                         ("predictor/prefixes", ~root)):
+        if not mask.any():
+            continue
+        if prefix != "predictor":
+            out[f"{prefix}/brier_skill"] = brier_skill(p[mask], y[mask], w[mask])
+            out[f"{prefix}/spearman"] = spearman(p[mask], y[mask])
+            out[f"{prefix}/prediction_mean"] = mean(p[mask])
+        out[f"{prefix}/outcome_mean"] = (float(np.sum(w[mask] * y[mask]) / np.sum(w[mask]))
+                                         if np.sum(w[mask]) > 0 else float("nan"))
+        reference = (previous or {}).get(f"{prefix}/outcome_mean")
+        if reference is not None and math.isfinite(reference):
+            out[f"{prefix}/brier_skill_vs_previous"] = brier_skill(p[mask], y[mask], w[mask],
+                                                                   reference=reference)
+    return out

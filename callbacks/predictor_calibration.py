@@ -7,7 +7,11 @@ reward of the leaves below it, continuations included), weighted by its leaf cou
 predictions were made *before* the predictor trained on this step, so this is out-of-sample.
 Logged: Brier score, the constant-mean baseline on the same outcomes and the skill
 ``1 - brier / baseline``, ECE, Spearman rank correlation, counts, and a reliability diagram
-(image ``predictor/reliability``). Nothing is logged for an epoch without predictions
+(image ``predictor/reliability``); skill, rank correlation and means again for the roots
+alone (``predictor/roots/*``: what stage 1 reads) and the prefixes alone
+(``predictor/prefixes/*``: stage 2), and each part's skill against the last logged step's
+mean outcome (``*/brier_skill_vs_previous``), a constant known beforehand where the step's
+own mean is known only in hindsight. Nothing is logged for an epoch without predictions
 (``uniform``/``random_tree`` allocators, cold start). Formulas: ``trace_lightning.math.calibration``.
 
 The module itself logs the predictor's training loss (``predictor/loss``,
@@ -45,6 +49,8 @@ class PredictorCalibration(RolloutCallback):
         self.diagram = diagram
         self.every_n_epochs = every_n_epochs
         self.last_metrics: dict[str, float] = {}
+        # the last logged step's mean outcome per part: the next step's prior constant
+        self.previous: dict[str, float] = {}
 
     def tensorboard_for(self) -> str:
         return ("the reliability diagram as an image (set `diagram: false` to log scalars "
@@ -59,14 +65,23 @@ class PredictorCalibration(RolloutCallback):
         for part in gather(trainer, calibration_points(step.trees) if step is not None else None):
             if part is not None:
                 pts.extend(part)
-        self.last_metrics = calibration_metrics(pts, bins=self.bins)
+        self.last_metrics = calibration_metrics(pts, bins=self.bins, previous=self.previous)
         if not self.last_metrics:
             return
+        self.previous = {k: v for k, v in self.last_metrics.items()
+                         if k.endswith("/outcome_mean")}
         log_scalars(trainer, self.last_metrics)
         tb = tensorboard_logger(trainer)
         if self.diagram and tb is not None and trainer.is_global_zero:
             image = figure_to_chw(reliability_figure(pts, self.bins, trainer.current_epoch))
             tb.experiment.add_image("predictor/reliability", image, global_step=log_step(trainer))
+
+
+    def state_dict(self) -> dict:
+        return {"previous": dict(self.previous)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.previous = dict(state_dict.get("previous", {}))
 
 
 def reliability_figure(pts: CalibrationPoints, bins: int, epoch: int):

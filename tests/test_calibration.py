@@ -43,6 +43,21 @@ def test_weighted_brier_by_hand():
     assert brier([0.2, 0.5], [0.0, 1.0], [3.0, 1.0]) == pytest.approx(0.0925, abs=1e-12)
 
 
+def test_brier_skill_against_a_reference_constant_by_hand():
+    # constant .3 on (0, 1): (.09 + .49) / 2 = .29 = .25 + (.3 - .5)^2
+    assert brier_skill([0.2, 0.8], [0, 1], reference=0.3) == pytest.approx(1 - 0.04 / 0.29)
+    # weighted: w (3, 1) on (0, 1) at .5: (3 * .25 + .25) / 4 = .25; p (.2 .5): .0925
+    assert brier_skill([0.2, 0.5], [0.0, 1.0], [3.0, 1.0], reference=0.5) == pytest.approx(
+        1 - 0.0925 / 0.25)
+    # the reference at the weighted mean is the hindsight baseline
+    assert brier_skill([0.2, 0.5], [0.0, 1.0], [3.0, 1.0], reference=0.25) == pytest.approx(
+        brier_skill([0.2, 0.5], [0.0, 1.0], [3.0, 1.0]))
+    # outcomes equal to the reference: nothing to beat
+    assert math.isnan(brier_skill([0.3, 0.6], [1, 1], reference=1.0))
+    # but equal outcomes away from it: a constant prediction elsewhere is beaten
+    assert brier_skill([1.0, 1.0], [1, 1], reference=0.5) == 1.0
+
+
 def test_brier_skill_undefined_for_constant_outcomes():
     assert math.isnan(brier_skill([0.3, 0.6], [1, 1]))
 

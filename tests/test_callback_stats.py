@@ -160,6 +160,17 @@ EXPECTED_PREDICTOR = {
     "predictor/spearman": 34 / math.sqrt(42 * 36),
     "predictor/prediction_mean": (0.05 + 0.1 + 0.2 + 0.3 + 0.4 + 0.7 + 0.5 + 0.6) / 8,
     "predictor/nodes": 8, "predictor/roots": 3,
+    # leaf-weighted values over 10 leaves: 2 + 1 = 3 (roots), 1 + 1 = 2 (prefixes)
+    "predictor/outcome_mean": 5 / 20,
+    # roots: p (.5 .2 .4), values (1/2, 0, 1/3), weights (4 3 3); Brier (0 + .12 + 1/75)/10
+    # = 2/150 against (.16 + .27 + 1/300)/10 = 13/300 around their mean .3
+    "predictor/roots/brier_skill": 9 / 13, "predictor/roots/spearman": 1.0,
+    "predictor/roots/prediction_mean": 1.1 / 3, "predictor/roots/outcome_mean": 0.3,
+    # prefixes a1 b1 b3 b4 c1: p (.6 .3 .1 .05 .7), values (1/3 0 0 0 1/2), weights
+    # (3 1 2 2 2); Brier 49/1200 against 52/1200 around their mean .2; ranks (4 3 2 1 5)
+    # and (4 2 2 2 5): 8 / sqrt(10 * 8)
+    "predictor/prefixes/brier_skill": 3 / 52, "predictor/prefixes/spearman": 8 / math.sqrt(80),
+    "predictor/prefixes/prediction_mean": 1.75 / 5, "predictor/prefixes/outcome_mean": 0.2,
 }
 
 
@@ -212,6 +223,26 @@ def test_calibration_on_hand_built_step_matches_library():
     # the numbers flow through trace_lightning.math.calibration unchanged
     assert got["predictor/brier"] == calibration.brier(pts.p, pts.y, pts.w)
     assert got["predictor/ece"] == calibration.expected_calibration_error(pts.p, pts.y, pts.w)
+
+
+def test_calibration_skill_against_the_last_step_mean_by_hand():
+    """With the last step's mean outcomes as the constants to beat: roots at .5 score
+    (4 * 0 + 3 * .25 + 3 / 36) / 10 = 1/12, prefixes at 0 score their mean square
+    (3 / 9 + 2 / 4) / 10 = 1/12; all nodes at .25 score (Brier 0 + .25^2 over 20 leaves)."""
+    pts = calibration_points(build_step().trees)
+    assert "predictor/roots/brier_skill_vs_previous" not in calibration_metrics(pts)
+    got = calibration_metrics(pts, previous={"predictor/roots/outcome_mean": 0.5,
+                                             "predictor/prefixes/outcome_mean": 0.0,
+                                             "predictor/outcome_mean": 0.25})
+    assert got["predictor/roots/brier_skill_vs_previous"] == pytest.approx(1 - (2 / 150) * 12)
+    assert got["predictor/prefixes/brier_skill_vs_previous"] == pytest.approx(
+        1 - (49 / 1200) * 12)
+    # a constant at the nodes' own mean (.25) is the hindsight baseline: the same skill
+    assert got["predictor/brier_skill_vs_previous"] == pytest.approx(got["predictor/brier_skill"])
+    # one part missing from `previous`: only that part goes without
+    only_roots = calibration_metrics(pts, previous={"predictor/roots/outcome_mean": 0.5})
+    assert "predictor/prefixes/brier_skill_vs_previous" not in only_roots
+    assert "predictor/roots/brier_skill_vs_previous" in only_roots
 
 
 def test_split_over_ranks_merges_to_the_same_metrics():

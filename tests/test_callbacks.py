@@ -144,9 +144,9 @@ def metrics_table() -> list[tuple[str, str, str]]:
 # ---- one real run, read back ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """3 epochs: the hand-built step; the same without predictions; an empty step."""
+    """3 epochs: the hand-built step; the same again; an empty step."""
     tmp = tmp_path_factory.mktemp("callbacks")
-    steps = [build_step(0), build_step(1, predictions=False),
+    steps = [build_step(0), build_step(1),
              build_step(2, trees=[], root_plan=[0] * 5)]
     steps[2].sequences, steps[2].seconds = [], {"rollout": 0.0, "retrieval": 0.0, "predict": 0.0}
     dm, model = StepData(steps), TinyModule()
@@ -192,8 +192,15 @@ def test_values_of_the_hand_built_step(run):
     # epoch-start values sit at the step of the epoch's first training batch (2 per epoch)
     assert [e.step for e in acc.Scalars("rollout/reward_mean")] == [0, 2]
     assert [e.step for e in acc.Scalars("alloc/prompts_filtered")] == [0, 2, 4]
-    # predictions only in epoch 0; the empty epoch 2 logs no rollout statistics
-    assert len(acc.Scalars("predictor/brier")) == 1
+    # predictions in epochs 0 and 1; the empty epoch 2 logs no rollout statistics
+    assert len(acc.Scalars("predictor/brier")) == 2
+    # epoch 1 repeats epoch 0's step: the last step's mean outcome is this step's own mean,
+    # so the skill against it is the skill against the hindsight mean
+    for part in ("predictor", "predictor/roots", "predictor/prefixes"):
+        (vs_previous,) = acc.Scalars(f"{part}/brier_skill_vs_previous")
+        assert vs_previous.step == 2
+        assert vs_previous.value == pytest.approx(acc.Scalars(f"{part}/brier_skill")[1].value,
+                                                  rel=1e-5)
     assert [e.value for e in acc.Scalars("alloc/prompts_filtered")] == [2, 2, 5]
     for k in ("perf/train_s", "perf/train_tokens_per_s", "perf/epoch_s", "perf/rss_gb",
               "perf/peak_rss_gb"):

@@ -304,3 +304,12 @@ def test_a_trained_run_keeps_its_own_provenance(bench, tmp_path, monkeypatch):
     # a run trained before the record existed reads back as unrecorded
     (tmp_path / "uniform_seed0" / bench.RUN_RECORD).unlink()
     assert bench.main(argv)["runs"] == {"uniform_seed0": None}
+
+
+def test_predictor_quality_is_averaged_over_the_runs_that_logged_it(bench):
+    """Runs logged before a tag existed lack it: the mean is over the runs that have it."""
+    got = bench.predictor_means([{"predictor/roots/spearman": 0.1, "predictor/spearman": 0.4},
+                                 {"predictor/roots/spearman": 0.3}, {}])
+    assert got == {"predictor/spearman": pytest.approx(0.4),
+                   "predictor/roots/spearman": pytest.approx(0.2)}
+    assert bench.predictor_means([{}, {}]) == {}

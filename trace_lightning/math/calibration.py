@@ -8,6 +8,9 @@ reward) and weights ``w_i`` (``n_leaves``; 1 when omitted), ``W = sum_i w_i``:
                     (the best constant predictor on these very outcomes)
 - Brier skill:      ``1 - B / B0``; > 0 beats the constant, 1 is perfect; NaN when every
                     outcome is the same (``B0 = 0``: no skill to measure).
+                    ``ybar`` is known only in hindsight; against a constant ``c`` fixed
+                    beforehand (``reference``: e.g. the last step's mean outcome) the
+                    baseline is ``sum_i w_i (c - y_i)^2 / W = B0 + (c - ybar)^2``.
 - ECE:              equal-width bins over [0, 1] (``p = 1`` falls in the last bin);
                     ``sum_b (W_b / W) |pbar_b - ybar_b|`` with weighted means per bin.
 - Spearman:         Pearson correlation of average ranks (ties share their mean rank);
@@ -68,9 +71,14 @@ def brier_baseline(y: Any, w: Any = None) -> float:
     return float(np.sum(w * (ybar - y) ** 2) / np.sum(w))
 
 
-def brier_skill(p: Any, y: Any, w: Any = None) -> float:
-    """``1 - brier / brier_baseline``; NaN when the outcomes are all equal."""
-    base = brier_baseline(y, w)
+def brier_skill(p: Any, y: Any, w: Any = None, reference: float | None = None) -> float:
+    """``1 - brier / baseline``: against ``brier_baseline`` (the outcomes' own weighted mean),
+    or against the constant ``reference`` when one is given; NaN when the baseline is 0."""
+    if reference is None:
+        base = brier_baseline(y, w)
+    else:
+        y_arr = _arr(y)
+        base = brier(np.full_like(y_arr, float(reference)), y_arr, w)
     if not base > 0:
         return float("nan")
     return 1.0 - brier(p, y, w) / base
