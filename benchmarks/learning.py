@@ -18,7 +18,9 @@ evaluation at or above it, and on the mean curve over seeds, linear between eval
 (tree leaves share their prefixes' tokens, so a leaf of ``trace`` costs fewer than one of
 ``uniform``: the saving in compute, a second unit beside the leaves) and the training
 wall-clock (``perf/step_s``: the sampling phase, that is weight sync, rollouts, predictor
-calls and fit, plus the update; validation excluded), per seed and on the mean curve. Runs
+calls and fit, plus the update; validation excluded), per seed and on the mean curve; and
+how many distinct prompts each method trained on over the run (``alloc/prompts_distinct``)
+and the share of its opened prompts that were new to it (``alloc/prompts_new``). Runs
 go seed by seed, every method of a seed before the next seed (uniform, trace, uniform,
 trace, ...), so drift in the machine's load hits every method alike. Every method is also
 paired with ``uniform`` seed by seed
@@ -43,7 +45,8 @@ against sampling budget per method (the mean over seeds, shaded +- its standard 
 ``--held-in N`` adds a second evaluation, on the first N questions of the training world
 (``val/demo_heldin/em``; candidates are drawn from all its questions, so these are ones
 the policy trains on): whether a method learns its own prompts faster, apart from how that
-carries over to the held-out world.
+carries over to the held-out world; with ``--final-samples`` the last checkpoints are scored
+on them too.
 
 Ends with one JSON line, also written to ``--out`` (default ``docs/results/learning.json``;
 with ``--quick`` in its out-dir) with the commit, date, machine load and demo world.
@@ -71,7 +74,8 @@ METHODS = ["uniform", "random_tree", "prompt", "trace"]
 KEYS = {"acc": "val/demo_heldout/em", "acc_in": "val/demo_heldin/em",
         "effective": "rollout/effective_ratio", "informative": "rollout/informative_leaf_share",
         "leaves": "alloc/leaves", "tokens": "alloc/generated_tokens", "epoch_s": "perf/epoch_s",
-        "step_s": "perf/step_s"}
+        "step_s": "perf/step_s", "opened": "alloc/prompts_opened", "new": "alloc/prompts_new",
+        "distinct": "alloc/prompts_distinct"}
 # The predictor's out-of-sample quality (callbacks/METRICS.md), averaged over a run's epochs
 PREDICTOR_TAGS = [f"predictor/{part}{metric}" for part in ("", "roots/", "prefixes/")
                   for metric in ("brier_skill", "brier_skill_vs_previous", "spearman")]
@@ -131,6 +135,17 @@ def predictor_means(per_run: list[dict[str, float]]) -> dict[str, float]:
     """Each ``PREDICTOR_TAGS`` entry's mean over the runs that logged it (their epochs' mean)."""
     return {t: float(np.mean([r[t] for r in per_run if t in r]))
             for t in PREDICTOR_TAGS if any(t in r for r in per_run)}
+
+
+def prompt_counts(runs: list[dict]) -> dict[str, float | None]:
+    """Over ``runs`` (one method's seeds): the distinct prompts each opened by its last
+    epoch (mean over seeds) and the share of its opened prompts that were new to it (opened
+    prompts summed over epochs); None where a run did not log them."""
+    if not runs or not all(r.get("distinct") and r.get("opened") for r in runs):
+        return {"prompts_distinct": None, "new_prompt_share": None}
+    return {"prompts_distinct": float(np.mean([r["distinct"][-1] for r in runs])),
+            "new_prompt_share": float(np.mean([sum(r["new"]) / sum(r["opened"])
+                                               for r in runs]))}
 
 
 def _finished(out: Path, epochs: int, held_in: bool, val_every: int = 1,
@@ -196,13 +211,17 @@ def run(method: str, seed: int, args, root: Path) -> dict:
               "trained": (json.loads((out / RUN_RECORD).read_text())
                           if (out / RUN_RECORD).exists() else None)}
     if args.final_samples:
-        result["acc_final_eval"] = final_eval(out, configs, common, args.final_samples)
+        final = final_eval(out, configs, common, args.final_samples)
+        result["acc_final_eval"] = final[KEYS["acc"]]
+        result["acc_in_final_eval"] = final.get(KEYS["acc_in"])
     return result
 
 
-def final_eval(out: Path, configs: list[str], common: list[str], samples: int) -> float:
-    """The run's last checkpoint on the held-out questions with ``samples`` rollouts each,
-    through ``trace-lightning validate --ckpt_path`` (read back when already there)."""
+def final_eval(out: Path, configs: list[str], common: list[str], samples: int
+               ) -> dict[str, float]:
+    """The run's last checkpoint on its evaluation sets with ``samples`` rollouts per
+    question, through ``trace-lightning validate --ckpt_path`` (read back when already
+    there): the held-out accuracy, and the training world's when the run evaluates it."""
     where = out / "final_eval" / f"samples_{samples}"
     if not ((where / "tensorboard").exists() and KEYS["acc"] in scalars(where)[0]):
         (ckpt,) = sorted((out / "tensorboard").glob("version_*/checkpoints/last.ckpt"))[-1:]
@@ -213,7 +232,8 @@ def final_eval(out: Path, configs: list[str], common: list[str], samples: int) -
                         f"--trainer.logger.init_args.save_dir={where}",
                         f"--data.val_samples={samples}", f"--ckpt_path={ckpt}"],
                        check=True, cwd=REPO)
-    return scalars(where)[0][KEYS["acc"]][-1]
+    s = scalars(where)[0]
+    return {k: s[k][-1] for k in (KEYS["acc"], KEYS["acc_in"]) if k in s}
 
 
 # An accuracy within this of the target reaches it: accuracies are float32 means, and the
@@ -317,17 +337,26 @@ def main(argv=None) -> dict:
             "effective_per_seed": [float(np.mean(r["effective"])) for r in rs],
             # the epochs' mean per seed, then over the seeds that logged the tag
             "predictor": predictor_means([r.get("predictor", {}) for r in rs]),
+            # how many questions the method trained on: distinct prompts opened over the
+            # run, and the share of opened prompts that were new (runs logged before
+            # AllocationSpread counted them have none)
+            **prompt_counts(rs),
         }
         if args.held_in:
             acc_in = np.array([r["acc_in"] for r in rs])  # (seeds, epochs)
             summary[m].update({
-                "held_in_before": float(np.mean([r["acc_in_before"] for r in rs])),
+                "held_in_before": (float(np.mean([r["acc_in_before"] for r in rs]))
+                                   if args.before else None),
                 "held_in_acc_mean": acc_in.mean(0).tolist(),
                 "held_in_final_per_seed": acc_in[:, -1].tolist(),
                 "held_in_mean_per_seed": acc_in.mean(1).tolist()})
         if args.final_samples:
             summary[m]["final_eval_per_seed"] = [r["acc_final_eval"] for r in rs]
             summary[m]["final_eval_acc"] = float(np.mean(summary[m]["final_eval_per_seed"]))
+            if args.held_in:
+                per_seed = [r["acc_in_final_eval"] for r in rs]
+                summary[m]["held_in_final_eval_per_seed"] = per_seed
+                summary[m]["held_in_final_eval_acc"] = float(np.mean(per_seed))
     target = args.target
     if target is None and "uniform" in summary:
         target = summary["uniform"]["final_acc"]
@@ -366,18 +395,22 @@ def main(argv=None) -> dict:
                 if args.final_samples:
                     r["vs_uniform"]["final_eval"] = paired(r["final_eval_per_seed"],
                                                            u["final_eval_per_seed"])
+                if args.final_samples and args.held_in:
+                    r["vs_uniform"]["held_in_final_eval"] = paired(
+                        r["held_in_final_eval_per_seed"], u["held_in_final_eval_per_seed"])
 
     print(f"\nlearning benchmark: {len(seeds)} seed(s) x {args.epochs} epochs, "
           f"target accuracy {'-' if target is None else f'{target:.3f}'}")
     print(f"{'method':12s}{'acc before':>12s}{'final acc':>11s}{'min-max':>14s}"
           f"{'effective':>11s}{'informative':>13s}{'leaves/step':>13s}{'tokens/step':>13s}"
-          f"{'step s':>8s}{'wall s':>9s}  leaves to target")
+          f"{'step s':>8s}{'wall s':>9s}{'prompts':>9s}  leaves to target")
     for m, r in summary.items():
         print(f"{m:12s}{_num(r['acc_before'], '12.3f')}{r['final_acc']:11.3f}"
               f"{min(r['final_acc_per_seed']):7.3f}-{max(r['final_acc_per_seed']):.3f}"
               f"{r['effective_ratio']:11.3f}{r['informative_leaf_share']:13.3f}"
               f"{r['leaves_per_step']:13.1f}{r['generated_tokens_per_step']:13.0f}"
-              f"{_num(r['step_s'], '8.1f')}{r['wall_s']:9.0f}  {r['budget_to_target']}")
+              f"{_num(r['step_s'], '8.1f')}{r['wall_s']:9.0f}"
+              f"{_num(r['prompts_distinct'], '9.0f')}  {r['budget_to_target']}")
     if any("vs_uniform" in r for r in summary.values()):
         print("\npaired with uniform, seed by seed: mean difference +- standard error "
               "(seeds ahead / seeds); leaves, generated tokens and training seconds to the "
@@ -400,7 +433,7 @@ def main(argv=None) -> dict:
             v = r.get("vs_uniform", {})
             pairs = (f"  {fmt_paired(v['held_in_final'])}  {fmt_paired(v['held_in_mean'])}"
                      if v else "")
-            print(f"{m:12s}{r['held_in_before']:.3f} | "
+            print(f"{m:12s}{_num(r['held_in_before'], '.3f')} | "
                   f"{' '.join(f'{a:.3f}' for a in r['held_in_acc_mean'])}{pairs}")
     if args.final_samples:
         print(f"\nlast checkpoints again, {args.final_samples} samples per held-out question")
@@ -410,6 +443,13 @@ def main(argv=None) -> dict:
             seeds_txt = " ".join(f"{a:.3f}" for a in r["final_eval_per_seed"])
             print(f"{m:12s}{r['final_eval_acc']:11.3f}"
                   f"{fmt_paired(v['final_eval']) if v else '':>24s}  {seeds_txt}")
+        if args.held_in:
+            print(f"the same checkpoints on the {args.held_in} training-world questions")
+            for m, r in summary.items():
+                v = r.get("vs_uniform")
+                seeds_txt = " ".join(f"{a:.3f}" for a in r["held_in_final_eval_per_seed"])
+                print(f"{m:12s}{r['held_in_final_eval_acc']:11.3f}"
+                      f"{fmt_paired(v['held_in_final_eval']) if v else '':>24s}  {seeds_txt}")
     result = {"benchmark": "learning", "seeds": seeds, "epochs": args.epochs,
               "val_every": args.val_every, "final_samples": args.final_samples,
               "extra": args.extra, "target": target, "methods": summary,

@@ -9,7 +9,9 @@ optimizer steps per RL step (4 mini-batches, one pass) and learning rate (2e-4),
 with one continuation each and 3L / 4 candidates (the demo's 192 at 256). Each run is scored
 once, after its last epoch, on 16 samples per held-out question (``--final-samples``), and
 methods are paired with uniform seed by seed (mean difference, its standard error, seeds
-ahead).
+ahead). Each row also says how many distinct prompts the method trained on; ``--held-in N``
+scores the final checkpoints on N training-world questions as well (what RL trained on),
+to tell learning the training prompts from carrying it over to new ones.
 
     python benchmarks/regime.py                                  # 3 budgets x 5 seeds
     python benchmarks/regime.py --budgets 64 --methods uniform,oracle,trace
@@ -39,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--final-samples", type=int, default=16)
     p.add_argument("--out-dir", default="runs/regime")
     p.add_argument("--out", default=str(provenance.RESULTS / "regime.json"))
+    p.add_argument("--held-in", type=int, default=0,
+                   help="also score each final checkpoint on this many training-world "
+                        "questions (learning.py --held-in; 0: off)")
     p.add_argument("--extra", action="append", default=[],
                    help="one more CLI override for every run, repeatable")
     return p.parse_args(argv)
@@ -52,7 +57,7 @@ def budget_args(leaves: int, args) -> list[str]:
     epochs = args.total_leaves // leaves
     return ["--methods", args.methods, "--seeds", args.seeds, "--epochs", str(epochs),
             "--val-every", str(epochs), "--no-before",
-            "--final-samples", str(args.final_samples),
+            "--final-samples", str(args.final_samples), "--held-in", str(args.held_in),
             "--out-dir", str(Path(args.out_dir) / f"L{leaves}"),
             "--out", str(Path(args.out_dir) / f"L{leaves}" / "learning.json"),
             f"--extra=--data.allocator.roots={leaves // 2}",
@@ -75,6 +80,12 @@ def main(argv=None) -> dict:
                 "effective_ratio": v["effective_ratio"],
                 "generated_tokens_per_step": v["generated_tokens_per_step"],
                 "step_s": v["step_s"],
+                "prompts_distinct": v.get("prompts_distinct"),
+                "new_prompt_share": v.get("new_prompt_share"),
+                "held_in_final_eval_acc": v.get("held_in_final_eval_acc"),
+                "held_in_final_eval_per_seed": v.get("held_in_final_eval_per_seed"),
+                "vs_uniform_held_in_final_eval":
+                    v.get("vs_uniform", {}).get("held_in_final_eval"),
                 "predictor": v.get("predictor", {}),
                 "vs_uniform_final_eval": v.get("vs_uniform", {}).get("final_eval"),
                 "vs_uniform_effective": v.get("vs_uniform", {}).get("effective_ratio")}
@@ -82,17 +93,19 @@ def main(argv=None) -> dict:
     print(f"\nregime study: {args.total_leaves} leaves per run, final accuracy on "
           f"{args.final_samples} samples per held-out question, paired with uniform")
     print(f"{'leaves/step':>12s} {'method':10s}{'final acc':>11s}{'vs uniform':>24s}"
-          f"{'effective':>11s}{'vs uniform':>24s}")
+          f"{'effective':>11s}{'vs uniform':>24s}{'prompts':>9s}")
     for leaves, methods in rows.items():
         for m, v in methods.items():
             acc, eff = v["vs_uniform_final_eval"], v["vs_uniform_effective"]
             print(f"{leaves:12d} {m:10s}{v['final_eval_acc']:11.3f}"
                   f"{learning.fmt_paired(acc) if acc else '':>24s}"
                   f"{v['effective_ratio']:11.3f}"
-                  f"{learning.fmt_paired(eff) if eff else '':>24s}")
+                  f"{learning.fmt_paired(eff) if eff else '':>24s}"
+                  f"{learning._num(v['prompts_distinct'], '9.0f')}")
     result = {"benchmark": "regime", "total_leaves": args.total_leaves,
               "seeds": [int(s) for s in args.seeds.split(",")],
-              "final_samples": args.final_samples, "extra": args.extra,
+              "final_samples": args.final_samples, "held_in": args.held_in,
+              "extra": args.extra,
               "budgets": {str(k): v for k, v in rows.items()},
               "runs": {str(k): v for k, v in trained.items()}}
     provenance.publish(result, stamp, args.out, demo_dir="runs/demo/world")

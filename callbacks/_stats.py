@@ -125,6 +125,7 @@ class TreeSummary:
     branch_continuations: list[int]  # per branched prefix (continuations > 0)
     branch_depths: list[int]  # its depth (1 = after the first turn)
     mixed: bool
+    prompt_id: str = ""  # the tree's prompt (``RolloutTree.tree_id``, stable across steps)
 
 
 def leaf_metrics(leaves) -> dict[str, list[float]]:
@@ -150,7 +151,7 @@ def summarize_tree(tree: RolloutTree, stage1: int | None = None) -> TreeSummary:
         metrics=leaf_metrics(leaves),
         branch_continuations=[n.continuations for n in branched],
         branch_depths=[n.depth for n in branched],
-        mixed=tree.mixed)
+        mixed=tree.mixed, prompt_id=tree.tree_id)
 
 
 @dataclass

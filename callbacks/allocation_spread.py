@@ -6,6 +6,12 @@ and filtered out (candidates given 0 rollouts), continuations per branched prefi
 depth of branched prefixes (histograms; mean depth weighted by continuations), the pool of
 continuations returned by prompts that could not use them, the cold-start flag, the
 effective ratio, and what the step spent (leaves, generated tokens, tool calls).
+
+Besides the step: how many of its opened prompts the run had never opened before
+(``alloc/prompts_new``) and how many distinct prompts it has opened so far
+(``alloc/prompts_distinct``). An allocator that keeps re-opening the prompts it knows to be
+mixed raises the effective ratio while training on fewer questions; these say by how much.
+The prompts seen are the callback's state, saved in checkpoints, so a resumed run counts on.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class AllocationSpread(RolloutCallback):
         self.histograms = histograms
         self.every_n_epochs = every_n_epochs
         self.last_metrics: dict[str, float] = {}
+        self.seen: set[str] = set()  # prompts opened in earlier logged epochs of this run
 
     def tensorboard_for(self) -> str:
         if not self.histograms:
@@ -45,6 +52,10 @@ class AllocationSpread(RolloutCallback):
         if summary is None:
             return
         scalars, hists = allocation_metrics(summary)
+        opened = {t.prompt_id for t in summary.trees}
+        scalars["alloc/prompts_new"] = float(len(opened - self.seen))
+        self.seen |= opened
+        scalars["alloc/prompts_distinct"] = float(len(self.seen))
         self.last_metrics = scalars
         log_scalars(trainer, scalars)
         tb = tensorboard_logger(trainer)
@@ -52,3 +63,9 @@ class AllocationSpread(RolloutCallback):
             for tag, values in hists.items():
                 tb.experiment.add_histogram(tag, np.asarray(values), global_step=log_step(trainer),
                                             bins=integer_bins(values))
+
+    def state_dict(self) -> dict:
+        return {"seen": sorted(self.seen)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.seen = set(state_dict.get("seen", ()))

@@ -25,7 +25,7 @@ from callbacks import (AllocationSpread, PredictorCalibration, QAAccuracy, Rewar
                        Throughput, TreeSamples)
 from launch import run_ranks
 from test_callback_stats import (EXPECTED_ALLOC, EXPECTED_PREDICTOR, EXPECTED_ROLLOUT,
-                                 build_step)
+                                 build_step, build_trees)
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -301,6 +301,32 @@ def test_qa_accuracy_in_tensorboard_callback_metrics_and_validate(run):
         assert values == pytest.approx([v] * 4, rel=1e-6), k
         assert run["fit"][k] == pytest.approx(v, rel=1e-6), k
         assert run["validate"][k] == pytest.approx(v, rel=1e-6), k
+
+
+def test_prompts_new_and_distinct_count_across_epochs_and_a_resume(tmp_path):
+    def step(epoch, ids):
+        trees = build_trees()
+        for t, i in zip(trees, ids, strict=True):
+            t.tree_id = i
+        return build_step(epoch, trees=trees)
+
+    cb = AllocationSpread(histograms=False)
+    steps = [step(0, ["q-a", "q-b", "q-c"]), step(1, ["q-d", "q-b", "q-c"]),
+             step(2, ["q-a", "q-e", "q-f"])]
+    t = trainer(tmp_path / "a", [cb], max_epochs=3)
+    t.fit(TinyModule(), datamodule=StepData(steps))
+    acc = read_events(t.logger.log_dir)
+    assert [e.value for e in acc.Scalars("alloc/prompts_new")] == [3, 1, 2]
+    assert [e.value for e in acc.Scalars("alloc/prompts_distinct")] == [3, 4, 6]
+    assert cb.state_dict() == {"seen": ["q-a", "q-b", "q-c", "q-d", "q-e", "q-f"]}
+    # restored, a later epoch counts on from the six: q-a is not new, q-g is
+    resumed = AllocationSpread(histograms=False)
+    resumed.load_state_dict(cb.state_dict())
+    t = trainer(tmp_path / "b", [resumed], max_epochs=1)
+    t.fit(TinyModule(), datamodule=StepData([step(0, ["q-a", "q-g", "q-b"])]))
+    acc = read_events(t.logger.log_dir)
+    assert [e.value for e in acc.Scalars("alloc/prompts_new")] == [1]
+    assert [e.value for e in acc.Scalars("alloc/prompts_distinct")] == [7]
 
 
 # ---- boundary checks -----------------------------------------------------------------------

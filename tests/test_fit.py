@@ -112,8 +112,13 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
     epoch0 = list(read_jsonl(b / "trees" / "epoch_0_rank_0.jsonl"))
     assert set(history["counts"]) == {t.tree_id for t in epoch0}
     sa, sb = scalars(a), scalars(b)
-    for key in ("train/loss", "rollout/reward_mean", "alloc/leaves", "val/em"):
+    for key in ("train/loss", "rollout/reward_mean", "alloc/leaves", "val/em",
+                "alloc/prompts_distinct"):
         assert sa[key][-1] == pytest.approx(sb[key][-1], abs=1e-5), key
+    # AllocationSpread's prompts seen came back: the resumed epoch counts epoch 0's too
+    opened = {t.tree_id for t in epoch0} | {t.tree_id for t in tb}
+    assert len(opened) > len({t.tree_id for t in tb})
+    assert sb["alloc/prompts_distinct"] == [len(opened)]
     # the same weights at the end: the optimizer's moments and step count came back too
     # (a reset step count alone changes the third update by about a third of lr)
     assert sa["train/kl_ref"][-1] > 0 and sa["train/grad_norm"][1] > 0  # moments before B stops

@@ -66,11 +66,13 @@ def test_paired_differences_by_hand(bench):
     assert (one["ahead"], one["se"]) == (0, None)
 
 
-def _write_em(log_root: Path, em: float) -> None:
+def _write_em(log_root: Path, em: float, em_in: float | None = None) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     w = SummaryWriter(str(log_root / "tensorboard" / "version_0"))
     w.add_scalar("val/demo_heldout/em", em, 0)
+    if em_in is not None:
+        w.add_scalar("val/demo_heldin/em", em_in, 0)
     w.close()
 
 
@@ -91,16 +93,24 @@ def test_final_eval_validates_the_fit_checkpoint_once(bench, tmp_path, monkeypat
         _write_em(root, 0.4375)
 
     monkeypatch.setattr(bench.subprocess, "run", validate)
+    held_out = "val/demo_heldout/em"
     assert bench.final_eval(run, ["--config", "demo.yaml"], ["--seed_everything=0"], 16) == \
-        pytest.approx(0.4375)
+        {held_out: pytest.approx(0.4375)}
     (cmd,) = calls
     assert cmd[3] == "validate" and f"--ckpt_path={ckpt}" in cmd
     assert "--data.val_samples=16" in cmd and "--seed_everything=0" in cmd
     # read back the second time; another sample count is another evaluation
-    assert bench.final_eval(run, ["--config", "demo.yaml"], [], 16) == pytest.approx(0.4375)
+    assert bench.final_eval(run, ["--config", "demo.yaml"], [], 16) == \
+        {held_out: pytest.approx(0.4375)}
     assert len(calls) == 1
     bench.final_eval(run, ["--config", "demo.yaml"], [], 4)
     assert len(calls) == 2 and "--data.val_samples=4" in calls[1]
+    # a run that evaluates the training world too (--held-in) is scored on both
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, check, cwd: _write_em(
+        Path(next(a for a in cmd if a.startswith("--trainer.default_root_dir=")).split("=")[1]),
+        0.25, 0.625))
+    assert bench.final_eval(run, ["--config", "demo.yaml"], [], 8) == \
+        {held_out: pytest.approx(0.25), "val/demo_heldin/em": pytest.approx(0.625)}
 
 
 def test_a_finished_run_is_reused_only_at_its_own_length(bench, tmp_path):
@@ -183,6 +193,42 @@ def test_held_in_accuracy_is_summarised_and_paired(bench, monkeypatch, tmp_path)
     assert final["diff_per_seed"] == pytest.approx([0.10, -0.02]) and final["ahead"] == 1
     assert final["mean"] == pytest.approx(0.04)
     assert mean["diff_per_seed"] == pytest.approx([0.07, -0.01])
+
+
+def test_final_held_in_scores_and_prompt_counts_are_summarised(bench, monkeypatch, tmp_path):
+    """--held-in with --final-samples and --no-before (as regime.py runs it): the last
+    checkpoints' training-world accuracy, paired with uniform: seed 0 0.70 - 0.60 = +0.10,
+    seed 1 0.62 - 0.66 = -0.04, mean +0.03, one seed ahead. Distinct prompts: the last epoch's
+    count, (12 + 10) / 2 = 11 for trace; new prompts over opened ones: seed 0 (4 + 2) / (4 + 4)
+    = 0.75, seed 1 (4 + 0) / (4 + 4) = 0.5, mean 0.625."""
+    final_in = {("uniform", 0): 0.60, ("uniform", 1): 0.66,
+                ("trace", 0): 0.70, ("trace", 1): 0.62}
+    new = {0: [4, 2], 1: [4, 0]}
+
+    def fake_run(method, seed, args, root):
+        return {"method": method, "seed": seed, "acc_before": None, "acc": [0.42, 0.44],
+                "acc_in_before": None, "acc_in": [0.5, 0.5],
+                "acc_final_eval": 0.44, "acc_in_final_eval": final_in[method, seed],
+                "opened": [4, 4], "new": new[seed], "distinct": [4, 12 - 2 * seed],
+                "effective": [0.4, 0.4], "informative": [0.4, 0.4], "leaves": [256, 256],
+                "tokens": [1.0, 1.0], "epoch_s": [1.0, 1.0], "wall_s": 2.0}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    result = bench.main(["--methods", "uniform,trace", "--seeds", "0,1", "--epochs", "2",
+                         "--held-in", "50", "--final-samples", "16", "--no-before",
+                         "--out-dir", str(tmp_path), "--out", str(tmp_path / "l.json")])
+    trace = result["methods"]["trace"]
+    assert trace["held_in_before"] is None
+    assert trace["held_in_final_eval_per_seed"] == pytest.approx([0.70, 0.62])
+    assert trace["held_in_final_eval_acc"] == pytest.approx(0.66)
+    vs = trace["vs_uniform"]["held_in_final_eval"]
+    assert vs["diff_per_seed"] == pytest.approx([0.10, -0.04]) and vs["ahead"] == 1
+    assert vs["mean"] == pytest.approx(0.03)
+    assert trace["prompts_distinct"] == pytest.approx(11.0)
+    assert trace["new_prompt_share"] == pytest.approx(0.625)
+    # runs logged before the counts existed: none, not a made-up zero
+    assert bench.prompt_counts([{"opened": [4], "new": [], "distinct": []}]) == \
+        {"prompts_distinct": None, "new_prompt_share": None}
 
 
 def test_a_run_evaluated_every_n_epochs_without_the_evaluation_before(bench, tmp_path):

@@ -52,7 +52,8 @@ def test_the_line_pairs_each_budget_and_keeps_every_run_s_provenance(regime, tmp
         calls.append(argv)
         leaves = 2048 // int(argv[argv.index("--epochs") + 1])
         per = {"effective_ratio": 0.4, "generated_tokens_per_step": 30.0 * leaves,
-               "step_s": leaves / 16, "final_eval_per_seed": [0.44, 0.45]}
+               "step_s": leaves / 16, "final_eval_per_seed": [0.44, 0.45],
+               "prompts_distinct": 100.0 + leaves}
         paired = {"mean": 0.01, "se": 0.005, "ahead": 2, "seeds": 2}
         return {"methods": {
                     "uniform": {**per, "final_eval_acc": 0.445},
@@ -62,8 +63,11 @@ def test_the_line_pairs_each_budget_and_keeps_every_run_s_provenance(regime, tmp
 
     monkeypatch.setattr(regime.learning, "main", learning_main)
     out = tmp_path / "regime.json"
-    result = regime.main(["--budgets", "64,256", "--seeds", "0,1", "--out", str(out)])
+    result = regime.main(["--budgets", "64,256", "--seeds", "0,1", "--out", str(out),
+                          "--held-in", "50"])
     assert [a[a.index("--epochs") + 1] for a in calls] == ["32", "8"]
+    assert [a[a.index("--held-in") + 1] for a in calls] == ["50", "50"]
+    assert result["budgets"]["64"]["oracle"]["prompts_distinct"] == 164.0
     assert result["budgets"]["64"]["oracle"]["vs_uniform_final_eval"]["mean"] == 0.01
     assert result["budgets"]["256"]["uniform"]["vs_uniform_final_eval"] is None
     assert result["runs"]["256"] == {"uniform_seed0": {"commit": "c256"}, "oracle_seed0": None}
