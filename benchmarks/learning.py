@@ -438,18 +438,18 @@ def main(argv=None) -> dict:
     if args.final_samples:
         print(f"\nlast checkpoints again, {args.final_samples} samples per held-out question")
         print(f"{'method':12s}{'final acc':>11s}{'vs uniform':>24s}  per seed")
-        for m, r in summary.items():
-            v = r.get("vs_uniform")
-            seeds_txt = " ".join(f"{a:.3f}" for a in r["final_eval_per_seed"])
-            print(f"{m:12s}{r['final_eval_acc']:11.3f}"
-                  f"{fmt_paired(v['final_eval']) if v else '':>24s}  {seeds_txt}")
+        sets = [("", "final_eval")]
         if args.held_in:
-            print(f"the same checkpoints on the {args.held_in} training-world questions")
+            sets.append((f"the same checkpoints on the {args.held_in} training-world questions",
+                         "held_in_final_eval"))
+        for title, key in sets:
+            if title:
+                print(title)
             for m, r in summary.items():
                 v = r.get("vs_uniform")
-                seeds_txt = " ".join(f"{a:.3f}" for a in r["held_in_final_eval_per_seed"])
-                print(f"{m:12s}{r['held_in_final_eval_acc']:11.3f}"
-                      f"{fmt_paired(v['held_in_final_eval']) if v else '':>24s}  {seeds_txt}")
+                seeds_txt = " ".join(f"{a:.3f}" for a in r[f"{key}_per_seed"])
+                print(f"{m:12s}{r[f'{key}_acc']:11.3f}"
+                      f"{fmt_paired(v[key]) if v else '':>24s}  {seeds_txt}")
     result = {"benchmark": "learning", "seeds": seeds, "epochs": args.epochs,
               "val_every": args.val_every, "final_samples": args.final_samples,
               "extra": args.extra, "target": target, "methods": summary,
