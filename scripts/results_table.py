@@ -46,6 +46,12 @@ def _paired(v: dict) -> str:
     return f"{v['mean']:+.3f} ± {v['se']:.3f} ({v['ahead']}/{v['seeds']} seeds ahead)"
 
 
+def _prompts(v: dict) -> str:
+    """`` (N distinct prompts)`` where a regime row counted them, else nothing."""
+    n = v.get("prompts_distinct")
+    return f" ({n:.0f} distinct prompts)" if n is not None else ""
+
+
 def rows() -> list[str]:
     """The table's rows, one per benchmark whose JSON line is there."""
     out = []
@@ -96,16 +102,21 @@ def rows() -> list[str]:
             ("regime_world2.json", "Learning: where allocation pays, a second world build"),
             ("regime_choices.json", "Learning: trace's choices one at a time, second build"),
             ("regime_tree.json",
-             "Learning: the tree at 64 leaves per step, 10 seeds, second build")):
+             "Learning: the tree at 64 leaves per step, 10 seeds, second build"),
+            ("regime_candidates.json",
+             "Learning: trace choosing among 192 candidates per step, second build"),
+            ("regime_candidates_belief.json",
+             "Learning: the same without beliefs (more distinct prompts), second build")):
         r = _load(name)
         if not r:
             continue
         cells = []
         for leaves, methods in r["budgets"].items():
             u = methods["uniform"]
-            pairs = ", ".join(f"{m} - GRPO {_paired(v['vs_uniform_final_eval'])}"
+            pairs = ", ".join(f"{m} - GRPO {_paired(v['vs_uniform_final_eval'])}{_prompts(v)}"
                               for m, v in methods.items() if m != "uniform")
-            cells.append(f"{leaves} leaves per step, GRPO {u['final_eval_acc']:.3f}; {pairs}")
+            cells.append(f"{leaves} leaves per step, GRPO {u['final_eval_acc']:.3f}"
+                         f"{_prompts(u)}; {pairs}")
         out.append(_row(
             what,
             f"{len(r['seeds'])} seeds x {r['total_leaves']:,} leaves per run; final held-out "

@@ -100,7 +100,8 @@ def test_results_table_is_what_the_json_files_say(capsys):
     # and every benchmark's JSON is in it
     table = (REPO / "README.md").read_text()
     for name in ("learning.json", "learning_64.json", "regime.json", "regime_world2.json",
-                 "regime_choices.json", "regime_tree.json", "allocation.json",
+                 "regime_choices.json", "regime_tree.json", "regime_candidates.json",
+                 "regime_candidates_belief.json", "allocation.json",
                  "allocation_new_prompts.json", "update.json", "retrieval.json"):
         assert f"docs/results/{name}" in table
 
