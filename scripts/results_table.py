@@ -55,8 +55,19 @@ def _prompts(v: dict) -> str:
 def rows() -> list[str]:
     """The table's rows, one per benchmark whose JSON line is there."""
     out = []
-    r = _load("learning.json")
-    if r and {"uniform", "trace"} <= set(r["methods"]):
+    # The learning benchmark at the demo's budget: the first world build, then the second
+    # (with the demo's beliefs and without).
+    second = "the-demos-budget-on-the-second-build"
+    for name, what, anchor in (
+            ("learning.json", "Learning: trace against GRPO, demo budget",
+             "learning-python-benchmarkslearningpy"),
+            ("learning_world2.json", "Learning: trace against GRPO, demo budget, second build",
+             second),
+            ("learning_world2_belief.json",
+             "Learning: the same without beliefs, demo budget, second build", second)):
+        r = _load(name)
+        if not (r and {"uniform", "trace"} <= set(r["methods"])):
+            continue
         u, t = r["methods"]["uniform"], r["methods"]["trace"]
         final = (f"final held-out accuracy ({r['final_samples']} samples per question) "
                  f"GRPO {u['final_eval_acc']:.3f}, trace {t['final_eval_acc']:.3f}, "
@@ -70,12 +81,12 @@ def rows() -> list[str]:
             cost.append(f"{ratio:.2f}x GRPO's {label}" if ratio is not None
                         else f"{label}: trace's mean curve does not reach it")
         out.append(_row(
-            "Learning: trace against GRPO, demo budget",
+            what,
             f"{len(r['seeds'])} seeds x {r['epochs']} epochs; {final}; effective ratio "
             f"{u['effective_ratio']:.3f} -> {t['effective_ratio']:.3f}; trace reaches GRPO's "
             f"final accuracy on the mean per-epoch curve ({r['target']:.3f}) with "
             f"{' and '.join(cost)}",
-            "learning.json", r, "learning-python-benchmarkslearningpy"))
+            name, r, anchor))
     r = _load("learning_64.json")
     if r and "uniform" in r["methods"]:
         u = r["methods"]["uniform"]

@@ -99,7 +99,8 @@ def test_results_table_is_what_the_json_files_say(capsys):
     assert results_table.main(["--check"]) == 0, capsys.readouterr().err
     # and every benchmark's JSON is in it
     table = (REPO / "README.md").read_text()
-    for name in ("learning.json", "learning_64.json", "regime.json", "regime_world2.json",
+    for name in ("learning.json", "learning_world2.json", "learning_world2_belief.json",
+                 "learning_64.json", "regime.json", "regime_world2.json",
                  "regime_choices.json", "regime_tree.json", "regime_candidates.json",
                  "regime_candidates_belief.json", "allocation.json",
                  "allocation_new_prompts.json", "update.json", "retrieval.json"):
