@@ -201,7 +201,7 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
             return paths
         start = time.perf_counter()
         stages = 4 if warm_start_steps > 0 else 3
-        log.info("building the demo world in %s (first run only; about 10 minutes on 2 "
+        log.info("building the demo world in %s (first run only; 3 to 10 minutes on 2 "
                  "cores, most of it the warm start)", paths.root)
         sizes = {"n_people": n_people, "n_cities": n_cities, "n_countries": n_countries,
                  "n_companies": n_companies, "namesakes": namesakes}
