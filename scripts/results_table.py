@@ -59,7 +59,7 @@ def rows() -> list[str]:
     # (with the demo's beliefs and without).
     second = "the-demos-budget-on-the-second-build"
     for name, what, anchor in (
-            ("learning.json", "Learning: trace against GRPO, demo budget",
+            ("learning.json", "Learning: trace against GRPO, demo budget, first build",
              "learning-python-benchmarkslearningpy"),
             ("learning_world2.json", "Learning: trace against GRPO, demo budget, second build",
              second),
