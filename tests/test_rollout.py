@@ -14,6 +14,7 @@ Two sets of weights share one vLLM engine (swapped with the checked weight sync)
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import time
@@ -672,6 +673,13 @@ def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, 
     try:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(json_out))
     finally:
+        # The FSDP copy holds the process group and outlives its names (reference cycles,
+        # and an error's traceback): left to interpreter exit, the group's gloo threads
+        # would stop during finalisation, where a C++ thread asking for the GIL is ended
+        # mid-destructor ("terminate called without an active exception", SIGABRT). Free
+        # it first, so that the group goes here.
+        del wrapped, predict, loop
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -366,6 +368,11 @@ def _failing_engine_worker(rank: int, world: int, model_dir: str, out_dir: str) 
         out = {"error": type(e).__name__, "message": str(e)}
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(out, f)
+    # the sharded model holds the group, and the error's traceback holds the model: free
+    # both before the group goes, not at interpreter exit, where gloo's threads asking for
+    # the GIL abort the process (see test_rollout's _stage_two_rank_worker)
+    del model, engine
+    gc.collect()
     dist.destroy_process_group()
 
 
