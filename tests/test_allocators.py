@@ -103,6 +103,49 @@ def test_prediction_counts_reach_the_root_solver():
     assert min(belief.rollouts[:2]) >= max(belief.rollouts[2:]) and sum(belief.rollouts) == 24
 
 
+def test_resting_prompts_stay_closed_while_the_others_can_take_the_budget():
+    """Against brute force over the fresh candidates: trace's root budget M = 8 (m_max 6) on 6
+    candidates, some resting; the plan's value is the best with every resting prompt at 0."""
+    import itertools
+    import random
+
+    from trace_lightning.math.solvers import root_value
+
+    rng = random.Random(0)
+    for _ in range(40):
+        v = [rng.choice([0.1, 0.3, 0.5, 0.7, rng.random()]) for _ in range(6)]
+        resting = [rng.random() < 0.5 for _ in range(6)]
+        plan = allocator("trace").plan_roots(6, v, resting=resting)
+        fresh = resting.count(False)
+        if fresh < 2:  # one prompt of at most 6 cannot take 8: every candidate may open
+            assert plan.resting == 0 and plan == allocator("trace").plan_roots(6, v)
+            continue
+        assert plan.resting == 6 - fresh
+        assert all(m == 0 for m, r in zip(plan.rollouts, resting) if r)
+        best = max(sum(root_value(x, k) for x, k in zip(v, m))
+                   for m in itertools.product([0, 2, 3, 4, 5, 6], repeat=6)
+                   if sum(m) == 8 and not any(k and r for k, r in zip(m, resting)))
+        assert sum(root_value(x, k) for x, k in zip(v, plan.rollouts)) == pytest.approx(best)
+    # no flags, or none set: the plan of old; the uniform schedule ignores them
+    v = predictions(6)
+    assert allocator("trace").plan_roots(6, v, resting=[False] * 6) == \
+        allocator("trace").plan_roots(6, v)
+    assert allocator("uniform").plan_roots(6, resting=[True] * 6).rollouts == [4] * 6
+    with pytest.raises(ValueError, match=r"resting \(2 values\) must give one flag per "
+                                         r"candidate \(6\)"):
+        allocator("trace").plan_roots(6, v, resting=[True, False])
+
+
+def test_exploration_picks_only_prompts_that_do_not_rest():
+    # 1 random prompt of 4 and the solver's 4 (explore 0.5); 20 of 30 candidates rest
+    resting = [i % 3 != 0 for i in range(30)]
+    for seed in range(10):
+        plan = allocator("trace", explore_fraction=0.5, seed=seed).plan_roots(
+            30, predictions(30), resting=resting)
+        assert plan.resting == 20 and sum(plan.random_picks) == 1
+        assert all(m == 0 for m, r in zip(plan.rollouts, resting) if r)
+
+
 def test_cold_start_falls_back_to_uniform():
     for kind, expect in [("prompt", [4] * 6), ("trace", [4] * 2)]:
         alloc = allocator(kind, cold_start_nodes=100)

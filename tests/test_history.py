@@ -74,6 +74,22 @@ def test_adjust_moves_roots_only_and_separates_failing_from_mixed_prompts():
     assert prefix.prediction == 0.3
 
 
+def test_rest_marks_prompts_rolled_out_within_the_last_steps():
+    h = PromptHistory(strength=1.0, decay=0.9, rest=2)
+    h.record([("a", 3, 1.0, 2.0), ("b", 1, 0.0, 2.0)])
+    # a, rolled out at step 3, rests at steps 4 and 5 and may open at 6; b rests through 3
+    assert [h.resting("a", t) for t in (3, 4, 5, 6)] == [False, True, True, False]
+    assert [h.resting("b", t) for t in (2, 3, 4)] == [True, True, False]
+    assert not h.resting("never_seen", 4)
+    assert not PromptHistory(rest=0).resting("a", 4)  # the default never rests
+    trees = [RolloutTree.new(i, "q?", ["x"], [1]) for i in ("a", "b", "new")]
+    trees[0].root.prediction = 0.3  # with or without a prediction, the flag is set
+    h.adjust(trees, step=4)
+    assert [t.root.resting for t in trees] == [True, False, False]
+    h.adjust(trees, step=6)
+    assert [t.root.resting for t in trees] == [False, False, False]
+
+
 def test_state_round_trip(caplog):
     h = PromptHistory(strength=3.0, decay=0.9, belief=True)
     h.record([("a", 2, 1.0, 4.0), ("b", 3, 0.0, 2.0)])
@@ -83,16 +99,18 @@ def test_state_round_trip(caplog):
     assert not caplog.records
     # a resumed run with other settings keeps its own and says so: counts (1, 4) at step 2,
     # one step of decay 0.9 later (0.9, 3.6); strength 1: (1 * 0.5 + 0.9) / (1 + 3.6)
-    k = PromptHistory(strength=1.0, decay=0.9, belief=False)
+    k = PromptHistory(strength=1.0, decay=0.9, belief=False, rest=2)
     k.load_state_dict(h.state_dict())
-    assert (k.strength, k.decay, k.belief) == (1.0, 0.9, False)
+    assert (k.strength, k.decay, k.belief, k.rest) == (1.0, 0.9, False, 2)
     assert k.posterior("a", 0.5, 3) == pytest.approx((0.5 + 0.9) / 4.6)
-    assert "strength" in caplog.text and "belief" in caplog.text
+    assert all(k in caplog.text for k in ("strength", "belief", "rest"))
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(strength=0.0), "strength"), (dict(strength=float("nan")), "strength"),
     (dict(decay=0.0), "decay"), (dict(decay=1.5), "decay"),
+    (dict(rest=-1), r"rest \(-1\) must be a whole number"), (dict(rest=1.5), "rest"),
+    (dict(rest=True), "rest"),
 ])
 def test_bad_settings_name_the_setting(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -796,6 +796,28 @@ def test_prefix_kind_predicts_only_the_opened_trees_and_branches_where_planned(
     assert step.unspent == 0
 
 
+def test_resting_roots_reach_the_root_plan(vllm_scripted, retriever, tokenizer, examples):
+    """The roots ``predict`` marks resting (as ``PromptHistory.adjust`` does) are left closed
+    by stage 1: ``prompt`` with L = 4 on predictions favouring the
+    first candidates opens the next two instead."""
+    from trace_lightning.allocation.allocators import Allocator
+    from trace_lightning.rollout.step import collect_step
+
+    alloc = Allocator("prompt", roots=4, continuations=0, max_rollouts_per_prompt=2,
+                      group_size=2)
+
+    def predict(trees: list[RolloutTree]) -> None:
+        for i, t in enumerate(trees):
+            t.root.prediction = 0.5 if i < 4 else 0.9
+            t.root.resting = i < 2
+
+    loop = AgentLoop(vllm_scripted, make_env(tokenizer, retriever, max_turns=1), SAMPLING)
+    step = collect_step(loop, alloc, examples, predict=predict, predictor_nodes_seen=10**6,
+                        epoch=0, seed=0, advantage="grpo")
+    assert step.root_plan == [0, 0, 2, 2] + [0] * (len(examples) - 4)
+    assert [t.tree_id for t in step.trees] == [examples[2].id, examples[3].id]
+
+
 def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retriever,
                                                              tokenizer, examples):
     """``oracle_predict`` on the scripted policy, whose success odds are known by hand.

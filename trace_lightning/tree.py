@@ -60,6 +60,9 @@ class Node:
     # rollouts the prediction is worth, read as a Beta belief with mean ``prediction``
     # (PromptHistory sets it on roots); None: taken as exact
     prediction_count: float | None = None
+    # roots: rolled out within the last few steps (PromptHistory's ``rest``), so stage 1
+    # opens it only when the other candidates cannot take the budget
+    resting: bool = False
     continuations: int = 0  # continuations allocated to branch from this prefix
 
     @property

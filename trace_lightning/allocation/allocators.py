@@ -27,7 +27,8 @@ solver left out; the solver spends the rest. Cold start (``prompt``, ``prefix``,
 while the predictor has trained on fewer than ``cold_start_nodes`` nodes, roots are planned
 as by ``uniform`` (``prefix``, ``trace``: as by ``random_tree``, random prefixes included),
 so an untrained predictor steers nothing. ``oracle`` never cold-starts: its inputs are not a
-trained model.
+trained model. Resting prompts (``Node.resting``, set by ``PromptHistory``'s ``rest``) are
+closed to the solved kinds' stage 1 while the other candidates can take its budget.
 
 ``prompt`` and ``prefix`` are trace's two stages one at a time: with ``random_tree`` (neither)
 they tell which of trace's choices pays on a given world and budget.
@@ -78,6 +79,7 @@ class RootPlan:
     rollouts: list[int]  # m_i per candidate (0 = filtered out)
     random_picks: list[bool]  # True where the exploration share chose the prompt
     cold_start: bool = False  # planned as by uniform because the predictor is not trusted yet
+    resting: int = 0  # candidates kept closed because they rest (``PromptHistory``'s rest)
 
     @property
     def leaves(self) -> int:
@@ -267,7 +269,8 @@ class Allocator:
     # ---- stage 1 ---------------------------------------------------------------------------
     def plan_roots(self, n_candidates: int, predictions: Sequence[float] | None = None,
                    predictor_nodes_seen: int = 0,
-                   prediction_counts: Sequence[float | None] | None = None) -> RootPlan:
+                   prediction_counts: Sequence[float | None] | None = None,
+                   resting: Sequence[bool] | None = None) -> RootPlan:
         """Rollouts per candidate prompt.
 
         Args:
@@ -278,6 +281,9 @@ class Allocator:
             predictor_nodes_seen: nodes the predictor has trained on (for the cold start).
             prediction_counts: rollouts each prediction is worth (``Node.prediction_count``;
                 None entries, or None: exact), see ``solve_roots``.
+            resting: per candidate, whether it rests (``Node.resting``). Solved kinds open
+                only the others (the solver and exploration alike) unless those cannot take
+                the budget; then every candidate may be opened. Ignored by uniform schedules.
         """
         cand = "--data.candidates_per_step"
         cold = self.is_cold(predictor_nodes_seen)
@@ -301,23 +307,48 @@ class Allocator:
                              f"prompts of kind {self.kind!r} (explore_fraction "
                              f"{self.explore_fraction}); raise it")
         solve = self.root_budget - n_explore * self.group_size
-        k = None if self.prompts_per_step is None else self.prompts_per_step - n_explore
-        # leave the exploration prompts outside the solver's choice
-        k = min(n_candidates - n_explore, n_candidates if k is None else k)
-        rollouts = solve_roots(predictions, solve, self.max_rollouts_per_prompt, k,
-                               counts=prediction_counts)
-        if sum(rollouts) != solve:
+        if resting is not None and len(resting) != n_candidates:
+            raise ValueError(f"resting ({len(resting)} values) must give one flag per "
+                             f"candidate ({n_candidates})")
+        # the candidates stage 1 may open: those not resting, if they can take the budget
+        eligible = list(range(n_candidates))
+        fresh = [i for i in eligible if resting is None or not resting[i]]
+        if len(fresh) < n_candidates and self._solver_cap(len(fresh)) is not None:
+            eligible = fresh
+        k = self._solver_cap(len(eligible))
+        if k is None:
             raise ValueError(f"{cand} ({n_candidates}) is too small: {n_candidates} prompts of at "
                              f"most {self.max_rollouts_per_prompt} rollouts cannot take the "
                              f"{solve} rollouts kind {self.kind!r} must spend; raise it")
-        unchosen = [i for i, m in enumerate(rollouts) if m == 0]  # >= n_explore (the cap)
+        chosen = solve_roots([predictions[i] for i in eligible], solve,
+                             self.max_rollouts_per_prompt, k,
+                             counts=None if prediction_counts is None
+                             else [prediction_counts[i] for i in eligible])
+        rollouts = [0] * n_candidates
+        for i, m in zip(eligible, chosen):
+            rollouts[i] = m
+        unchosen = [i for i, m in zip(eligible, chosen) if m == 0]  # >= n_explore (the cap)
         picks = (self._explore_rng.choice(len(unchosen), size=n_explore, replace=False)
                  if n_explore else [])
         random_picks = [False] * n_candidates
         for j in sorted(int(x) for x in picks):
             rollouts[unchosen[j]] = self.group_size
             random_picks[unchosen[j]] = True
-        return RootPlan(rollouts=rollouts, random_picks=random_picks, cold_start=False)
+        return RootPlan(rollouts=rollouts, random_picks=random_picks, cold_start=False,
+                        resting=n_candidates - len(eligible))
+
+    def _solver_cap(self, n: int) -> int | None:
+        """Most prompts the root solver may open among ``n`` eligible candidates (the
+        exploration prompts left outside its choice), or None when those cannot take the
+        solver's budget."""
+        n_explore = self.n_explore
+        solve = self.root_budget - n_explore * self.group_size
+        k = n - n_explore
+        if self.prompts_per_step is not None:
+            k = min(k, self.prompts_per_step - n_explore)
+        if k < 0 or spendable_roots(solve, n, self.max_rollouts_per_prompt, k) != solve:
+            return None
+        return k
 
     # ---- stage 2 ---------------------------------------------------------------------------
     def prefix_planner(self, trees: Sequence[RolloutTree],

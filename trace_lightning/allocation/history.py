@@ -29,6 +29,13 @@ the ones whose noise looks best.
 
 Prefix predictions are left alone: a prefix is new every time. The same idea, as a filter
 rather than a posterior, is GRESO's skipping of prompts whose recent groups had no variance.
+
+``rest`` is a floor on breadth: a prompt rolled out at step t_k rests through step
+t_k + rest (``Node.resting`` on its root), and the root solver leaves resting prompts closed
+while the other candidates can take its budget. Beliefs make the solver re-open the prompts
+whose history says they are mixed, step after step; on the demo world that narrowed training
+to a third of GRPO's prompts and cost accuracy (docs/results.md, A wider choice of prompts).
+With ``rest`` r a prompt is opened at most once in r + 1 steps.
 """
 
 from __future__ import annotations
@@ -58,15 +65,21 @@ class PromptHistory:
             rollouts (``Node.prediction_count``); False: as an exact prediction. Measured on
             the demo: better when most candidates were rolled out before (many epochs over
             a small set), worse when most are new.
+        rest: steps a prompt rests after it was rolled out, closed to the root solver
+            unless the other candidates cannot take its budget (0: never rests).
     """
 
-    def __init__(self, strength: float = 2.0, decay: float = 0.8, belief: bool = False) -> None:
+    def __init__(self, strength: float = 2.0, decay: float = 0.8, belief: bool = False,
+                 rest: int = 0) -> None:
         if not strength > 0 or not math.isfinite(strength):
             raise ValueError(f"history strength ({strength}) must be a finite number > 0: the "
                              f"predictor's prediction counts as that many rollouts")
         if not 0 < decay <= 1:
             raise ValueError(f"history decay ({decay}) must be in (0, 1]; 1 never forgets")
-        self.strength, self.decay, self.belief = strength, decay, belief
+        if isinstance(rest, bool) or not isinstance(rest, int) or rest < 0:
+            raise ValueError(f"history rest ({rest!r}) must be a whole number of steps >= 0; "
+                             f"0 lets the solver re-open a prompt at the next step")
+        self.strength, self.decay, self.belief, self.rest = strength, decay, belief, rest
         self._counts: dict[str, tuple[int, float, float]] = {}  # id -> (step, s, n)
 
     def __len__(self) -> int:
@@ -96,6 +109,11 @@ class PromptHistory:
                 out.append((t.tree_id, step, float(sum(rewards)), float(len(rewards))))
         return out
 
+    def resting(self, prompt_id: str, step: int) -> bool:
+        """Whether the prompt was rolled out within the ``rest`` steps before ``step``."""
+        last = self._counts.get(prompt_id)
+        return last is not None and 0 < step - last[0] <= self.rest
+
     def posterior(self, prompt_id: str, prior: float, step: int) -> float:
         """``(strength * prior + s) / (strength + n)`` with the prompt's counts at ``step``."""
         s, n = self.counts(prompt_id, step)
@@ -104,8 +122,9 @@ class PromptHistory:
     def adjust(self, trees: Iterable[RolloutTree], step: int) -> None:
         """Replace each root's ``prediction`` by its posterior mean and, with ``belief``, set
         ``prediction_count`` to the rollouts it is worth, ``strength + n`` (roots without a
-        prediction are left)."""
+        prediction are left); mark the roots of resting prompts (``Node.resting``)."""
         for t in trees:
+            t.root.resting = self.resting(t.tree_id, step)
             if t.root.prediction is not None:
                 t.root.prediction = self.posterior(t.tree_id, t.root.prediction, step)
                 t.root.prediction_count = (self.strength + self.counts(t.tree_id, step)[1]
@@ -113,12 +132,13 @@ class PromptHistory:
 
     def state_dict(self) -> dict:
         return {"strength": self.strength, "decay": self.decay, "belief": self.belief,
-                "counts": {k: list(v) for k, v in self._counts.items()}}
+                "rest": self.rest, "counts": {k: list(v) for k, v in self._counts.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """The prompts' counts come back; ``strength``, ``decay`` and ``belief`` stay as
-        configured (a resumed run with new settings uses them, and says what changed)."""
-        saved = {k: state[k] for k in ("strength", "decay", "belief") if k in state}
+        """The prompts' counts come back; ``strength``, ``decay``, ``belief`` and ``rest``
+        stay as configured (a resumed run with new settings uses them, and says what
+        changed)."""
+        saved = {k: state[k] for k in ("strength", "decay", "belief", "rest") if k in state}
         changed = {k: v for k, v in saved.items() if v != getattr(self, k)}
         if changed:
             log.warning("model.history: the checkpoint's %s differ from this run's %s; the "

@@ -93,7 +93,8 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
     plan = allocator.plan_roots(len(trees), [t.root.prediction for t in trees]
                                 if by_prediction else None, predictor_nodes_seen,
                                 [t.root.prediction_count for t in trees]
-                                if by_prediction else None)
+                                if by_prediction else None,
+                                [t.root.resting for t in trees] if by_prediction else None)
     if agree is not None:
         plan = agree(plan)
     rank, world = shard
