@@ -103,7 +103,7 @@ def test_state_round_trip(caplog):
     k.load_state_dict(h.state_dict())
     assert (k.strength, k.decay, k.belief, k.rest) == (1.0, 0.9, False, 2)
     assert k.posterior("a", 0.5, 3) == pytest.approx((0.5 + 0.9) / 4.6)
-    assert all(k in caplog.text for k in ("strength", "belief", "rest"))
+    assert all(name in caplog.text for name in ("strength", "belief", "rest"))
 
 
 @pytest.mark.parametrize("kw, match", [
