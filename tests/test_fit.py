@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trace_lightning.allocation.features import confidence_features
 from trace_lightning.cli import cli, main
 from trace_lightning.tasks.search_qa.config import DemoConfig
 from trace_lightning.training.export import export_checkpoint, policy_state
@@ -354,13 +355,23 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     before = torch.get_num_threads()
     torch._C.set_num_threads(2)
     try:
-        out = cli(["fit", *demo_args(demo_dir, tmp_path, 1)])
+        out = cli(["fit", *demo_args(demo_dir, tmp_path, 1,
+                                     "--model.featuriser.confidence=true")])
         after = torch.get_num_threads()
     finally:
         torch._C.set_num_threads(before)
     assert out.trainer.global_step == 2  # two mini-batch updates
     assert out.datamodule.last_val_step == 2
     assert out.datamodule.sync_diff < 1e-3
+    # the predictor reads the policy's confidence after its hidden state (64 wide): a root
+    # has no turns (zeros); a turn's mean log-prob, from vLLM's sampled log-probs, is below 0
+    replay = out.model.replay.sample_all()
+    assert replay.features.shape[1] == out.model.predictor.feature_mean.shape[0] == 64 + 4
+    assert (replay.features[replay.depth == 0, 64:] == 0).all()
+    trees = [t for f in sorted((tmp_path / "trees").glob("*.jsonl")) for t in read_jsonl(f)]
+    conf = confidence_features(trees)
+    turns = [conf[(t.tree_id, n.id)] for t in trees for n in t.nodes[1:]]
+    assert turns and all(c[0] < 0 for c in turns)
     assert seen["train"] == [False, False]
     # on CPU the engine samples on one thread and training gets the process's two back, as
     # does the predictor's featurisation between sampling calls (the engine stays awake);
@@ -1126,7 +1137,9 @@ def test_a_checkpoint_path_keeps_the_settings_given_and_names_those_that_differ(
     for flag, shapes in [("--model.predictor_hidden=8",
                           "predictor.mlp.0.weight (128, 80) (this run's: (8, 80))"),
                          ("--model.featuriser.kind=bag_of_tokens",
-                          "predictor.feature_mean (64,) (this run's: (256,))")]:
+                          "predictor.feature_mean (64,) (this run's: (256,))"),
+                         ("--model.featuriser.confidence=true",  # + 4 confidence numbers
+                          "predictor.feature_mean (64,) (this run's: (68,))")]:
         with pytest.raises(ValueError, match=rf"--ckpt_path: the checkpoint's predictor does "
                                              rf"not fit this run's: .*"
                                              rf"{re.escape(shapes)}.*\(--model\.featuriser\)"

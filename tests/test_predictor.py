@@ -11,7 +11,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trace_lightning.math.calibration import brier_skill
-from trace_lightning.allocation.features import Featuriser, bag_node_features, node_features, prompt_features
+from trace_lightning.allocation.features import (
+    CONFIDENCE_DIM, Featuriser, bag_node_features, confidence_features, confidence_of,
+    node_features, prompt_features,
+)
 from trace_lightning.allocation.predictor import (
     PredictorBatch,
     ReplayBuffer,
@@ -158,6 +161,56 @@ def test_bag_of_tokens_features():
 def test_featuriser_rejects_unknown_kind():
     with pytest.raises(ValueError, match="expected one of"):
         Featuriser("logits")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="confidence.*true or false"):
+        Featuriser(confidence="yes")  # type: ignore[arg-type]
+
+
+def test_confidence_of_by_hand():
+    # turn 1: log-probs -0.1, -0.3 (mean -0.2); turn 2: -1.0, -0.2, -0.9 (mean -0.7)
+    # all five: mean -2.5 / 5 = -0.5; below log(1/2) = -0.693: -1.0 and -0.9, so 2 / 5
+    got = confidence_of([[-0.1, -0.3], [], [-1.0, -0.2, -0.9]])  # the empty turn is skipped
+    torch.testing.assert_close(got, torch.tensor([-0.5, -0.7, -0.7, 0.4]))
+    torch.testing.assert_close(confidence_of([[-0.2, -0.4]]),
+                               torch.tensor([-0.3, -0.3, -0.3, 0.0]))
+    torch.testing.assert_close(confidence_of([]), torch.zeros(CONFIDENCE_DIM))
+
+
+def _with_logprobs(trees: list[RolloutTree], seed: int) -> list[RolloutTree]:
+    """``trees`` with random log-probs on policy tokens (and nonzero junk on observations,
+    which the statistics must ignore)."""
+    rng = random.Random(seed)
+    for t in trees:
+        for n in t.nodes:
+            n.logprobs = [-rng.random() * 2 if m else -5.0 for m in n.policy_mask]
+    return trees
+
+
+def test_confidence_features_read_each_prefix_path(policy):
+    trees = _with_logprobs(branched_trees(), seed=3)
+    conf = confidence_features(trees)
+    assert set(conf) == {(t.tree_id, n.id) for t in trees for n in t.nodes}
+    for tree in trees:
+        for n in tree.nodes:  # brute force: the path's turns, read from scratch
+            turns = [[lp for lp, m in zip(p.logprobs, p.policy_mask) if m]
+                     for p in tree.path(n.id)[1:]]
+            torch.testing.assert_close(conf[(tree.tree_id, n.id)], confidence_of(turns))
+        assert conf[(tree.tree_id, 0)].eq(0).all()  # a root has no turns
+    # the featuriser appends them to the hidden state; candidate prompts get a root's zeros
+    fz = Featuriser("hidden", batch_tokens=40, confidence=True)
+    assert fz.feature_dim(policy.config) == 32 + CONFIDENCE_DIM
+    feats, hidden = fz.nodes(policy, trees), node_features(policy, trees, batch_tokens=40)
+    for k, f in feats.items():
+        assert f.shape == (32 + CONFIDENCE_DIM,)
+        torch.testing.assert_close(f, torch.cat([hidden[k], conf[k]]))
+    roots = fz.prompts(policy, [t.root.token_ids for t in trees])  # (2, 36)
+    for i, t in enumerate(trees):
+        torch.testing.assert_close(roots[i], feats[(t.tree_id, 0)], atol=1e-5, rtol=0)
+    # known features (this step's, already with their confidence) come back unchanged
+    marker = torch.full((32 + CONFIDENCE_DIM,), 7.0)
+    assert fz.nodes(policy, trees, known={("t", 1): marker})[("t", 1)] is marker
+    bag = Featuriser("bag_of_tokens", buckets=16, confidence=True)
+    assert bag.feature_dim(None) == 16 + CONFIDENCE_DIM
+    torch.testing.assert_close(bag.nodes(None, trees)[("t", 2)][16:], conf[("t", 2)])
 
 
 # ---- model, targets, fitting ---------------------------------------------------------------
@@ -403,6 +456,54 @@ def test_predictor_learns_from_prefixes(policy):
     assert _held_out_skill(policy, informative=False) < 0.1
     # features are detached: fitting never touched the policy's gradients
     assert all(p.grad is None for p in policy.parameters())
+
+
+def hesitation_world(n: int, seed: int) -> list[RolloutTree]:
+    """Trees whose success shows only in how sure the policy was, not in any token.
+
+    Every token is random filler; each bare rollout's first turn is sampled confidently
+    (log-prob -0.05 per token) or hesitantly (-1.5), and its 3 answer leaves succeed with
+    probability 0.9 after a confident turn and 0.1 after a hesitant one.
+    """
+    rng = random.Random(seed)
+    trees = []
+    for i in range(n):
+        tree = RolloutTree.new(f"{seed}-{i}", "q", ["a"], _filler(rng, 6) + [EOP])
+        for r in range(2):
+            sure = rng.random() < 0.5
+            turn = _turn(rng)
+            turn["logprobs"] = [(-0.05 if sure else -1.5) if m else 0.0
+                                for m in turn["policy_mask"]]
+            first = tree.add_child(0, rollout=r, **turn)
+            for _ in range(3):
+                tree.add_child(first.id, finished=True, reward=float(rng.random() < (
+                    0.9 if sure else 0.1)), **_turn(rng))
+        tree.compute_values()
+        trees.append(tree)
+    return trees
+
+
+def test_confidence_features_carry_what_tokens_do_not():
+    """In ``hesitation_world`` the tokens say nothing about success and the log-probs all of
+    it: with ``confidence`` the predictor has skill on new trees, without it none."""
+    def skill(confidence: bool) -> float:
+        fz = Featuriser("bag_of_tokens", buckets=32, confidence=confidence)
+        train, test = hesitation_world(150, seed=1), hesitation_world(100, seed=2)
+        buf = ReplayBuffer(max_steps=1)
+        buf.add(training_batch(train, fz.nodes(None, train)))
+        torch.manual_seed(0)
+        pred = SuccessPredictor(fz.feature_dim(None), hidden=32)
+        opt = torch.optim.AdamW(pred.parameters(), lr=3e-3, weight_decay=0.01)
+        fit_predictor(pred, opt, buf, epochs=20, batch_size=64,
+                      generator=torch.Generator().manual_seed(0))
+        held_out = training_batch(test, fz.nodes(None, test))
+        first_turns = held_out.depth == 1  # (N,) where the log-probs differ
+        p = pred.predict(held_out.features, held_out.depth)  # (N,)
+        return brier_skill(p[first_turns], held_out.value[first_turns],
+                           held_out.weight[first_turns])
+
+    assert skill(confidence=True) > 0.5
+    assert skill(confidence=False) < 0.1
 
 
 def test_holdout_splits_by_prompt_so_memorised_questions_do_not_count():

@@ -8,6 +8,13 @@
   (``node_features``).
 - ``bag_of_tokens``: a hashed, L1-normalised bag of the prefix's token ids; no policy forward.
 
+With ``confidence=True`` either kind is followed by the policy's confidence in the turns it
+generated along the prefix (``confidence_features``): statistics of the behaviour log-probs
+the engine returned with the samples, so no forward pass. A hidden state says what the policy
+read; how sure it was of what it wrote is a separate signal (a policy that hesitates over its
+query or its answer fails more often), which the hidden state at the prefix's last token
+need not carry.
+
 Depth is not part of the feature vector; it enters through the predictor's depth embedding.
 """
 
@@ -220,6 +227,45 @@ def bag_prompt_features(prompt_ids: list[list[int]], buckets: int) -> Tensor:
     return c / c.sum(-1, keepdim=True).clamp(min=1.0)  # (P, buckets)
 
 
+# ---- features: the policy's confidence -----------------------------------------------------
+CONFIDENCE_DIM = 4
+LOW_LOGPROB = -0.6931471805599453  # log(1/2): a token the policy gave less than even odds
+
+
+def confidence_of(turns: Sequence[Sequence[float]]) -> Tensor:
+    """Confidence statistics of one prefix from its turns' policy-token log-probs: (4,).
+
+    ``turns[k]`` holds the behaviour log-probs of the tokens the policy generated in turn k
+    (observations excluded). The statistics:
+
+        [mean log-prob over all the prefix's policy tokens,
+         mean log-prob of its last turn,
+         lowest turn mean,
+         share of tokens below log(1/2)]
+
+    All zeros for a prefix without policy tokens (a root, or turns of observations only).
+    """
+    turns = [list(t) for t in turns if len(t)]
+    if not turns:
+        return torch.zeros(CONFIDENCE_DIM)
+    tokens = [lp for t in turns for lp in t]
+    means = [sum(t) / len(t) for t in turns]
+    low = sum(lp < LOW_LOGPROB for lp in tokens) / len(tokens)
+    return torch.tensor([sum(tokens) / len(tokens), means[-1], min(means), low])  # (4,)
+
+
+def confidence_features(trees: list[RolloutTree]) -> dict[NodeKey, Tensor]:
+    """``confidence_of`` every node's prefix: {(tree_id, node_id): (4,) float32}."""
+    out: dict[NodeKey, Tensor] = {}
+    for tree in trees:
+        turns: list[list[float]] = []  # per node: its own policy-token log-probs
+        for n in tree.nodes:
+            turns.append([lp for lp, m in zip(n.logprobs, n.policy_mask) if m])
+            path = [turns[p.id] for p in tree.path(n.id)]
+            out[(tree.tree_id, n.id)] = confidence_of(path)
+    return out
+
+
 class Featuriser:
     """Turns tree nodes and candidate prompts into feature vectors for the predictor.
 
@@ -228,10 +274,13 @@ class Featuriser:
             ``"bag_of_tokens"`` (hashed bag of the prefix's token ids; no policy forward).
         batch_tokens: most padded tokens per policy forward (``hidden`` only).
         buckets: number of hash buckets (``bag_of_tokens`` only).
+        confidence: append the policy's confidence in its own turns along the prefix
+            (``confidence_features``, 4 numbers from the sampled log-probs) to each vector;
+            candidate prompts, which have no turns yet, get zeros there as roots do.
     """
 
     def __init__(self, kind: FeaturiserKind = "hidden", batch_tokens: int = 16384,
-                 buckets: int = 256) -> None:
+                 buckets: int = 256, confidence: bool = False) -> None:
         if kind not in ("hidden", "bag_of_tokens"):
             raise ValueError(f"featuriser kind {kind!r}: expected one of 'hidden', "
                              f"'bag_of_tokens'")
@@ -239,31 +288,45 @@ class Featuriser:
             raise ValueError(f"featuriser batch_tokens ({batch_tokens}) must be >= 1")
         if buckets < 1:
             raise ValueError(f"featuriser buckets ({buckets}) must be >= 1")
+        if not isinstance(confidence, bool):
+            raise ValueError(f"featuriser confidence ({confidence!r}) must be true or false")
         self.kind = kind
         self.batch_tokens = batch_tokens
         self.buckets = buckets
+        self.confidence = confidence
 
     def feature_dim(self, config: PretrainedConfig | None) -> int:
         """The width of a feature vector (``hidden``: the policy's, from its ``config``)."""
-        if self.kind == "hidden":
-            return config.get_text_config().hidden_size
-        return self.buckets
+        width = config.get_text_config().hidden_size if self.kind == "hidden" else self.buckets
+        return width + (CONFIDENCE_DIM if self.confidence else 0)
 
     def nodes(self, policy: PreTrainedModel | None, trees: list[RolloutTree],
               known: Mapping[NodeKey, Tensor] | None = None) -> dict[NodeKey, Tensor]:
-        """Features of every node of ``trees`` ({(tree_id, node_id): (D,)})."""
+        """Features of every node of ``trees`` ({(tree_id, node_id): (D,)}); those in
+        ``known`` are returned unchanged."""
+        known = known or {}
         if self.kind == "hidden":
-            return node_features(policy, trees, self.batch_tokens, known=known)
-        return {**bag_node_features(trees, self.buckets), **(known or {})}
+            out = node_features(policy, trees, self.batch_tokens, known=known)
+        else:
+            out = {**bag_node_features(trees, self.buckets), **known}
+        if self.confidence:
+            conf = confidence_features(trees)
+            out = {k: v if k in known else torch.cat([v, conf[k]]) for k, v in out.items()}
+        return out
 
     def prompts(self, policy: PreTrainedModel | None, prompt_ids: list[list[int]]) -> Tensor:
         """Features of candidate prompts: (P, D)."""
         if self.kind == "hidden":
-            return prompt_features(policy, prompt_ids, self.batch_tokens)
-        return bag_prompt_features(prompt_ids, self.buckets)
+            feats = prompt_features(policy, prompt_ids, self.batch_tokens)  # (P, H)
+        else:
+            feats = bag_prompt_features(prompt_ids, self.buckets)  # (P, buckets)
+        if self.confidence:  # no turns yet: a root's confidence
+            feats = torch.cat([feats, torch.zeros(len(feats), CONFIDENCE_DIM)], dim=1)
+        return feats  # (P, D)
 
 
 __all__ = [
-    "Featuriser", "FeaturiserKind", "NodeKey", "bag_node_features", "bag_prompt_features",
-    "node_features", "prompt_features",
+    "CONFIDENCE_DIM", "Featuriser", "FeaturiserKind", "NodeKey", "bag_node_features",
+    "bag_prompt_features", "confidence_features", "confidence_of", "node_features",
+    "prompt_features",
 ]
