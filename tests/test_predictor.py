@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -613,3 +614,47 @@ def test_weighted_squared_error_by_hand():
     assert got.item() == pytest.approx(0.07 / 6, rel=1e-6)
     # no weight at all: 0, not NaN
     assert weighted_squared_error(torch.ones(2), torch.zeros(2), torch.zeros(2)).item() == 0.0
+
+
+# ---- what stage 2 branched from (scripts/prefix_choices.py) ---------------------------------
+def test_prefix_choices_split_the_bare_prefixes_by_hand(tmp_path):
+    import importlib.util
+    import json
+
+    from trace_lightning.tree import write_jsonl
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "prefix_choices.py"
+    spec = importlib.util.spec_from_file_location("prefix_choices", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def turn(logprobs, **fields):  # policy tokens with these log-probs, one observation token
+        return dict(token_ids=[9] * (len(logprobs) + 1), logprobs=[*logprobs, -7.0],
+                    policy_mask=[1] * len(logprobs) + [0], **fields)
+
+    t = RolloutTree.new("t", "q", ["a"], [5, 6, EOP])
+    a = t.add_child(0, rollout=0, prediction=0.5, continuations=1, **turn([-0.1, -0.3]))
+    t.add_child(a.id, finished=True, reward=1.0, **turn([-2.0]))  # bare leaf
+    t.add_child(a.id, finished=True, reward=0.0, **turn([-2.0]))  # the continuation
+    b = t.add_child(0, rollout=1, prediction=0.2, **turn([-1.0, -0.5]))
+    c = t.add_child(b.id, prediction=0.1, **turn([-0.5]))
+    t.add_child(c.id, finished=True, reward=0.0, **turn([-0.1]))
+    t.compute_values()
+    assert [n.id for n in script.bare_prefixes(t)] == [a.id, b.id, c.id]
+    got = script.choices([t])
+    # continued: node a alone, log-probs -0.1, -0.3: mean -0.2, none below log 1/2; its two
+    # leaves 1 and 0
+    assert got["continued"] == pytest.approx({
+        "prefixes": 1, "mean_logprob": -0.2, "last_turn_logprob": -0.2, "low_share": 0.0,
+        "value": 0.5, "prediction": 0.5})
+    # passed over: b (-1.0, -0.5: mean -0.75, one of two below) and c (its path: -1.0, -0.5,
+    # -0.5: mean -2/3, last turn -0.5, one of three below); both lead to the 0 leaf
+    assert got["passed_over"] == pytest.approx({
+        "prefixes": 2, "mean_logprob": (-0.75 - 2 / 3) / 2, "last_turn_logprob": (-0.75 - 0.5) / 2,
+        "low_share": (1 / 2 + 1 / 3) / 2, "value": 0.0, "prediction": 0.15})
+    write_jsonl([t], tmp_path / "epoch_0_rank_0.jsonl")
+    script.main([str(tmp_path), "--out", str(tmp_path / "out" / "choices.json")])
+    line = json.loads((tmp_path / "out" / "choices.json").read_text())
+    assert line["continued"]["prefixes"] == 1 and line["files"] == 1 and "commit" in line
+    with pytest.raises(SystemExit, match="no .jsonl files in .*--data.trees_dir"):
+        script.main([str(tmp_path / "missing")])
