@@ -22,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 import provenance  # noqa: E402
+from trace_lightning.allocation.allocators import bare_end  # noqa: E402
 from trace_lightning.allocation.features import confidence_features  # noqa: E402
 from trace_lightning.tree import Node, RolloutTree, read_jsonl  # noqa: E402
 
@@ -29,15 +30,8 @@ from trace_lightning.tree import Node, RolloutTree, read_jsonl  # noqa: E402
 def bare_prefixes(tree: RolloutTree) -> list[Node]:
     """The unfinished turns of each bare rollout (from each root child, through first
     children): what stage 2 chose its prefixes from."""
-    out = []
-    for i in tree.bare_rollouts():
-        node = tree.nodes[i]
-        while not node.finished:
-            out.append(node)
-            if not node.children:  # an unfinished end: no leaf below yet
-                break
-            node = tree.nodes[node.children[0]]
-    return out
+    return [n for start in tree.bare_rollouts()
+            for n in tree.path(bare_end(tree, start).id)[1:] if not n.finished]
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -258,11 +258,11 @@ def confidence_features(trees: list[RolloutTree]) -> dict[NodeKey, Tensor]:
     """``confidence_of`` every node's prefix: {(tree_id, node_id): (4,) float32}."""
     out: dict[NodeKey, Tensor] = {}
     for tree in trees:
-        turns: list[list[float]] = []  # per node: its own policy-token log-probs
-        for n in tree.nodes:
-            turns.append([lp for lp, m in zip(n.logprobs, n.policy_mask) if m])
-            path = [turns[p.id] for p in tree.path(n.id)]
-            out[(tree.tree_id, n.id)] = confidence_of(path)
+        paths: list[list[list[float]]] = []  # per node: its prefix's turns' log-probs
+        for n in tree.nodes:  # a parent always comes before its children
+            own = [lp for lp, m in zip(n.logprobs, n.policy_mask) if m]
+            paths.append((paths[n.parent] if n.parent is not None else []) + [own])
+            out[(tree.tree_id, n.id)] = confidence_of(paths[-1])
     return out
 
 
