@@ -418,6 +418,9 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     ("--data.retriever_url=http://127.0.0.1:1 --data.retriever_timeout_s=0",
      "(--data.retriever_timeout_s) is 0.0; it must be a finite number of seconds > 0"),
     ("--data.oracle_samples=0", "--data.oracle_samples (0) must be >= 1"),
+    ("--data.oracle_nodes=roots", "--data.oracle_nodes ('roots') must be 'all', 'roots' or "
+                                  "'prefixes', and is 'all' unless --data.allocator.kind is "
+                                  "'oracle' (it is 'trace')"),
     ("--model.dual_clip=0.5", "--model.dual_clip (0.5) must be > 1"),
     ("--model.predictor_holdout=1.0", "--model.predictor_holdout (1.0) must be in [0, 1)"),
     ("--model.kl_coef=-0.5", "--model.kl_coef (-0.5) must be >= 0"),

@@ -865,6 +865,46 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
     assert [o[0].token_ids for o in engine.calls[-1][1]] != first
 
 
+@pytest.mark.parametrize("nodes", ["roots", "prefixes"])
+def test_oracle_on_one_stage_leaves_the_other_to_the_learned_predictions(
+        vllm_scripted, retriever, tokenizer, examples, nodes):
+    """``oracle_predict(nodes=...)`` probes one stage's nodes only; the other stage keeps the
+    learned predictions (here a stand-in that sets 0.77 everywhere, run first on every call).
+    A second call, as stage 2 makes on trees stage 1 predicted, probes nothing again and
+    puts the probed estimates back over the learned ones."""
+    from trace_lightning.rollout.step import oracle_predict
+
+    env = make_env(tokenizer, retriever, max_turns=3)
+    yes_no = [e for e in examples if e.answers[0] in ("yes", "no")][:2]
+    _, trees, _ = grow(vllm_scripted, env, yes_no, 8, seed=3)
+    assert all(t.prefixes() for t in trees)
+    learned_calls = []
+
+    def learned(ts: list[RolloutTree]) -> None:
+        learned_calls.append(len(ts))
+        for t in ts:
+            for n in [t.root, *t.prefixes()]:
+                n.prediction = 0.77
+
+    engine = RecordingEngine(vllm_scripted)
+    predict = oracle_predict(AgentLoop(engine, env, SAMPLING), samples=4, seed=0,
+                             nodes=nodes, learned=learned)
+    predict(trees)
+    probed = [n.prediction for t in trees
+              for n in ([t.root] if nodes == "roots" else t.prefixes())]
+    kept = [n.prediction for t in trees
+            for n in (t.prefixes() if nodes == "roots" else [t.root])]
+    assert all(p in (0.0, 0.25, 0.5, 0.75, 1.0) for p in probed)  # 4 probes each
+    assert kept == [0.77] * len(kept)
+    calls = len(engine.calls)
+    predict(trees)
+    assert len(engine.calls) == calls and learned_calls == [2, 2]
+    assert [n.prediction for t in trees
+            for n in ([t.root] if nodes == "roots" else t.prefixes())] == probed
+    with pytest.raises(ValueError, match="need the learned predictions"):
+        oracle_predict(AgentLoop(engine, env, SAMPLING), samples=4, seed=0, nodes=nodes)
+
+
 @pytest.mark.parametrize("max_turns, overlap", [(1, True), (3, True), (3, False)])
 def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokenizer, examples,
                                                 max_turns, overlap):

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import get_args
 
 import lightning as L
 import numpy as np
@@ -27,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trace_lightning.allocation.allocators import Allocator
-from trace_lightning.rollout.step import RolloutStep, collect_step, oracle_predict
+from trace_lightning.rollout.step import OracleNodes, RolloutStep, collect_step, oracle_predict
 from trace_lightning.collectives import (all_gather_list, any_rank, fail_together, from_rank0,
                                          raise_together)
 from trace_lightning.tasks.search_qa.config import DemoConfig, EnvConfig, EvalSet
@@ -98,6 +99,9 @@ class TraceDataModule(L.LightningDataModule):
         demo: prepare and use the generated demo world instead of ``train`` (and its
             held-out world as validation set when ``val`` is empty).
         oracle_samples: extra rollouts per node that estimate true success (``oracle`` only).
+        oracle_nodes: which nodes the oracle's probes estimate (``oracle`` only): ``all``, or
+            one stage's, ``roots`` or ``prefixes``, the other stage's predictions coming from
+            the shared predictor (a diagnostic: which stage's predictions the gain is in).
         seed: seed of candidate sampling and rollouts.
     """
 
@@ -114,7 +118,8 @@ class TraceDataModule(L.LightningDataModule):
                  tree_packing: bool = True, max_tokens_per_microbatch: int = 8192,
                  minibatches_per_step: int = 1, ppo_epochs: int = 1,
                  train_limit: int | None = None, trees_dir: str | None = None,
-                 demo: DemoConfig | None = None, oracle_samples: int = 8, seed: int = 0):
+                 demo: DemoConfig | None = None, oracle_samples: int = 8,
+                 oracle_nodes: OracleNodes = "all", seed: int = 0):
         super().__init__()
         # a step without training sequences gives every rank an empty train loader
         self.allow_zero_length_dataloader_with_multiple_devices = True
@@ -145,7 +150,7 @@ class TraceDataModule(L.LightningDataModule):
         self.minibatches_per_step = minibatches_per_step
         self.ppo_epochs = ppo_epochs
         self.train_limit, self.trees_dir, self.seed = train_limit, trees_dir, seed
-        self.oracle_samples = oracle_samples
+        self.oracle_samples, self.oracle_nodes = oracle_samples, oracle_nodes
         self._check_config()
         self.engine = None
         self.tokenizer = None
@@ -195,6 +200,13 @@ class TraceDataModule(L.LightningDataModule):
         if self.oracle_samples < 1:
             raise ValueError(f"--data.oracle_samples ({self.oracle_samples}) must be >= 1: the "
                              f"rollouts per node that estimate its success for 'oracle'")
+        if self.oracle_nodes not in get_args(OracleNodes) or (
+                self.oracle_nodes != "all" and self.allocator.kind != "oracle"):
+            raise ValueError(f"--data.oracle_nodes ({self.oracle_nodes!r}) must be 'all', "
+                             f"'roots' or 'prefixes', and is 'all' unless "
+                             f"--data.allocator.kind is 'oracle' (it is "
+                             f"{self.allocator.kind!r}): it says which nodes the oracle's "
+                             f"probes estimate; leave it out for other allocators")
         needed = self.allocator.prompts_needed
         if self.candidates_per_step < needed:
             raise ValueError(f"--data.candidates_per_step ({self.candidates_per_step}) is smaller "
@@ -414,14 +426,16 @@ class TraceDataModule(L.LightningDataModule):
         bar = self._progress_bar(f"Rollout {epoch}", self.allocator.leaves_per_step // world)
         loop = AgentLoop(self.engine, self.task.environment(self.tokenizer), self.sampling,
                          on_leaves=bar.update if bar is not None else None)
+        def learned(trees: list[RolloutTree]) -> None:
+            # the featuriser's forward passes run on the process's threads, not the engine's
+            with self.engine.host_compute():
+                module.predict_trees(trees)
+
+        predict = learned
         if self.allocator.kind == "oracle":
-            predict = oracle_predict(loop, self.oracle_samples, seed=self.seed + epoch)
-        else:
-            def predict(trees: list[RolloutTree]) -> None:
-                # the featuriser's forward passes run on the process's threads, not the
-                # engine's one
-                with self.engine.host_compute():
-                    module.predict_trees(trees)
+            predict = oracle_predict(loop, self.oracle_samples, seed=self.seed + epoch,
+                                     nodes=self.oracle_nodes,
+                                     learned=None if self.oracle_nodes == "all" else learned)
 
         step = collect_step(loop, self.allocator, candidates, predict=predict,
                             predictor_nodes_seen=module.predictor_nodes_seen, epoch=epoch,

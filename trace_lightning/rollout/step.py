@@ -15,6 +15,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -146,22 +147,41 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
                        engine_calls=loop.engine_calls - calls)
 
 
-def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:
-    """Success odds estimated by ``samples`` extra rollouts from each node (not counted in any
-    budget): the predictions of a perfect predictor, for the ``oracle`` allocator."""
+OracleNodes = Literal["all", "roots", "prefixes"]
 
+
+def oracle_predict(loop: AgentLoop, samples: int, seed: int, nodes: OracleNodes = "all",
+                   learned: Predict | None = None) -> Predict:
+    """Success odds estimated by ``samples`` extra rollouts from each node (not counted in any
+    budget): the predictions of a perfect predictor, for the ``oracle`` allocator.
+
+    ``nodes`` says which nodes the probes estimate: ``all``, or one stage's (``roots``: the
+    candidates stage 1 plans from; ``prefixes``: the turns stage 2 branches from). The other
+    stage's predictions are ``learned``'s (the shared predictor, run first on every node), so
+    that each stage's share of the oracle's gain can be measured apart."""
+    if nodes not in ("all", "roots", "prefixes"):
+        raise ValueError(f"oracle nodes {nodes!r} must be 'all', 'roots' or 'prefixes'")
+    if (nodes == "all") != (learned is None):
+        raise ValueError(f"oracle nodes {nodes!r}: the nodes the probes leave out need the "
+                         f"learned predictions, and 'all' leaves none out")
     calls = itertools.count()
+    estimates: dict[tuple[int, int], float] = {}  # by (id(tree), node id): each probed once
 
     def predict(trees: list[RolloutTree]) -> None:
+        if learned is not None:
+            learned(trees)  # every node; the probed stage's are set again below
         probes, targets = [], []
         for t in trees:
-            for n in [t.root, *t.prefixes()]:
-                if n.prediction is not None:
+            own = {"all": [t.root, *t.prefixes()], "roots": [t.root],
+                   "prefixes": t.prefixes()}[nodes]
+            for n in own:
+                if (id(t), n.id) in estimates:  # stage 2 calls again on stage 1's trees
+                    n.prediction = estimates[(id(t), n.id)]
                     continue
                 probe = RolloutTree.new(t.tree_id, t.question, t.answers, t.prefix_ids(n.id))
                 probe.root.depth = n.depth  # the turn limit counts from the real depth
                 probes.append(probe)
-                targets.append(n)
+                targets.append((t, n))
         # a seed per call: stage 2 calls once per turn, and probe i of two calls must not
         # draw the same samples
         call_seed = int(np.random.SeedSequence([seed, next(calls)]).generate_state(1)[0])
@@ -172,8 +192,8 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int) -> Predict:
             loop.expand([Start(p, 0, samples) for p in probes], seed=call_seed)
         finally:
             loop.on_leaves, loop.retrieval_s = on_leaves, searched
-        for p, n in zip(probes, targets):
+        for p, (t, n) in zip(probes, targets):
             rewards = [leaf.reward for leaf in p.leaves()]
-            n.prediction = sum(rewards) / len(rewards)
+            n.prediction = estimates[(id(t), n.id)] = sum(rewards) / len(rewards)
 
     return predict
