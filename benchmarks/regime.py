@@ -15,6 +15,8 @@ to tell learning the training prompts from carrying it over to new ones.
 
     python benchmarks/regime.py                                  # 3 budgets x 5 seeds
     python benchmarks/regime.py --budgets 64 --methods uniform,oracle,trace
+    python benchmarks/regime.py --budgets 64 --methods uniform,oracle_roots,oracle_prefixes
+                                        # the oracle on one stage, the predictor on the other
 
 Runs live in ``runs/regime/L<budget>/`` and finished ones are read back, so a study can be
 extended seed by seed. Ends with one JSON line, also written to ``--out`` (default

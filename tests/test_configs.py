@@ -18,7 +18,8 @@ from trace_lightning.tasks.search_qa.config import DemoConfig, EvalSet
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 OVERLAYS = {"demo_uniform.yaml", "demo_random_tree.yaml", "demo_prompt.yaml", "demo_prefix.yaml",
-            "demo_oracle.yaml", "demo_gpu.yaml"}
+            "demo_oracle.yaml", "demo_oracle_roots.yaml", "demo_oracle_prefixes.yaml",
+            "demo_gpu.yaml"}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -33,6 +34,9 @@ def test_config_parses(config, capsys):
     assert "allocator:" in resolved and "policy_path:" in resolved
     if config.name.startswith("demo_") and config.name != "demo_gpu.yaml":
         kind = config.stem.removeprefix("demo_")
+        if kind.startswith("oracle_"):  # the oracle on one stage's nodes
+            kind, nodes = kind.split("_")
+            assert re.search(rf"oracle_nodes: {nodes}\b", resolved), resolved
         assert re.search(rf"kind: {kind}\b", resolved), resolved
 
 
