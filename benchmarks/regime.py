@@ -94,12 +94,13 @@ def main(argv=None) -> dict:
             for m, v in r["methods"].items()}
     print(f"\nregime study: {args.total_leaves} leaves per run, final accuracy on "
           f"{args.final_samples} samples per held-out question, paired with uniform")
-    print(f"{'leaves/step':>12s} {'method':10s}{'final acc':>11s}{'vs uniform':>24s}"
+    w = max(10, *(len(m) + 1 for methods in rows.values() for m in methods))  # name column
+    print(f"{'leaves/step':>12s} {'method':{w}s}{'final acc':>11s}{'vs uniform':>24s}"
           f"{'effective':>11s}{'vs uniform':>24s}{'prompts':>9s}")
     for leaves, methods in rows.items():
         for m, v in methods.items():
             acc, eff = v["vs_uniform_final_eval"], v["vs_uniform_effective"]
-            print(f"{leaves:12d} {m:10s}{v['final_eval_acc']:11.3f}"
+            print(f"{leaves:12d} {m:{w}s}{v['final_eval_acc']:11.3f}"
                   f"{learning.fmt_paired(acc) if acc else '':>24s}"
                   f"{v['effective_ratio']:11.3f}"
                   f"{learning.fmt_paired(eff) if eff else '':>24s}"
