@@ -426,6 +426,7 @@ class TraceDataModule(L.LightningDataModule):
         bar = self._progress_bar(f"Rollout {epoch}", self.allocator.leaves_per_step // world)
         loop = AgentLoop(self.engine, self.task.environment(self.tokenizer), self.sampling,
                          on_leaves=bar.update if bar is not None else None)
+
         def learned(trees: list[RolloutTree]) -> None:
             # the featuriser's forward passes run on the process's threads, not the engine's
             with self.engine.host_compute():

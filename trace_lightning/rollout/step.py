@@ -15,7 +15,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -159,7 +159,7 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int, nodes: OracleNodes 
     candidates stage 1 plans from; ``prefixes``: the turns stage 2 branches from). The other
     stage's predictions are ``learned``'s (the shared predictor, run first on every node), so
     that each stage's share of the oracle's gain can be measured apart."""
-    if nodes not in ("all", "roots", "prefixes"):
+    if nodes not in get_args(OracleNodes):
         raise ValueError(f"oracle nodes {nodes!r} must be 'all', 'roots' or 'prefixes'")
     if (nodes == "all") != (learned is None):
         raise ValueError(f"oracle nodes {nodes!r}: the nodes the probes leave out need the "
@@ -172,8 +172,8 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int, nodes: OracleNodes 
             learned(trees)  # every node; the probed stage's are set again below
         probes, targets = [], []
         for t in trees:
-            own = {"all": [t.root, *t.prefixes()], "roots": [t.root],
-                   "prefixes": t.prefixes()}[nodes]
+            own = ([t.root] if nodes != "prefixes" else []) + (
+                t.prefixes() if nodes != "roots" else [])
             for n in own:
                 if (id(t), n.id) in estimates:  # stage 2 calls again on stage 1's trees
                     n.prediction = estimates[(id(t), n.id)]
