@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,7 +228,6 @@ def test_prepare_demo_waits_for_another_builder_then_finds_it_built(tmp_path):
     """A second builder of the same out_dir (two runs, or a node each on a shared disk)
     waits on the lock and builds nothing: here the lock is held while one thread prepares."""
     import fcntl
-    import threading
 
     out = tmp_path / "demo"
     out.mkdir()
@@ -294,28 +298,54 @@ def test_prepare_demo_held_out_skips_questions_training_asks(tmp_path):
     assert held_out == [p for p in plain[:200] if p != shared] + [plain[200]]
 
 
-def test_prepare_demo_rebuild_keeps_the_old_world_until_the_new_one_is_complete(
-        tmp_path, monkeypatch):
-    import trace_lightning.tasks.search_qa.demo.prepare as prepare_module
+def _build_process() -> int:
+    """The pid of this process's build child (``call_pinned``'s), or 0."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"trace_lightning.tasks.build" in cmdline:
+            return int(stat.parent.name)
+    return 0
 
+
+def test_prepare_demo_rebuild_keeps_the_old_world_until_the_new_one_is_complete(tmp_path):
     kwargs = _demo_kwargs()
     paths = prepare_demo(tmp_path / "demo", **kwargs)
     files = [paths.train_qa, paths.eval_qa, paths.train_corpus, paths.eval_corpus,
              paths.manifest, *sorted(paths.model.iterdir())]
     before = {f: f.read_bytes() for f in files}
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt  # the run stopped during the (long) warm start
+    # A rebuild killed during its (long) warm start: the build process gets SIGKILL once
+    # its new model is on disk in model.partial/.
+    errors: list[BaseException] = []
 
-    monkeypatch.setattr(prepare_module, "warm_start", killed)
-    with pytest.raises(KeyboardInterrupt):
-        prepare_demo(tmp_path / "demo", **{**kwargs, "seed": 5, "eval_seed": 6})
+    def rebuild() -> None:
+        try:
+            prepare_demo(tmp_path / "demo", **{**kwargs, "seed": 5, "eval_seed": 6,
+                                               "warm_start_steps": 10**6,
+                                               "warm_start_stop_loss": None})
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    worker = threading.Thread(target=rebuild)
+    worker.start()
+    deadline = time.monotonic() + 120
+    while not (paths.root / "model.partial" / "model.safetensors").exists():
+        assert worker.is_alive() and time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(_build_process(), signal.SIGKILL)
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "exit status -9" in str(errors[0]) and "nothing it built was installed" in str(errors[0])
     # The seed-0 world is whole: its data, its model, its manifest; no seed-5 data beside
     # the seed-0 model, and the old settings still find it up to date.
     assert {f: f.read_bytes() for f in files} == before
     assert sorted(paths.model.iterdir()) == sorted(f for f in files if f.parent == paths.model)
     stamp = (paths.model / "model.safetensors").stat().st_mtime_ns
-    monkeypatch.undo()
     prepare_demo(tmp_path / "demo", **kwargs)
     assert (paths.model / "model.safetensors").stat().st_mtime_ns == stamp
     # A finished rebuild swaps the new model in and leaves no staging folders.

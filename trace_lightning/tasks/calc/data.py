@@ -12,11 +12,14 @@ The warm start demonstrates problems of a third seed (``warm_seed``), so neither
 problems nor the held-out ones were demonstrated. A build is skipped when the manifest holds
 the same settings and every file exists; any other setting rebuilds everything, the new
 model trained in ``model.partial/`` and swapped in by renames (``export.replace_dir``) only
-once it is complete, under the search demo's build lock (one builder per ``out_dir``).
+once it is complete, under the search demo's build lock (one builder per ``out_dir``), in a
+process with pinned CPU kernels (``tasks.build.call_pinned``: the same policy on every
+x86-64 CPU).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import shutil
@@ -29,12 +32,12 @@ from trace_lightning.tasks.base import Example, TaskData
 from trace_lightning.tasks.calc.problems import MAX_OPS, Problem, generate_problems
 from trace_lightning.tasks.calc.task import CALC_INSTRUCTION, CalcTask, check_settings
 from trace_lightning.tasks.calc.warm_start import calc_tokenizer, warm_start
-from trace_lightning.tasks.build import exclusive
+from trace_lightning.tasks.build import call_pinned, exclusive, kernels
 from trace_lightning.training.export import replace_dir
 
 log = logging.getLogger(__name__)
 
-MANIFEST_VERSION = 1  # bump when the problems, the formats or the warm start change
+MANIFEST_VERSION = 2  # bump when the problems, the formats or the warm start change
 TRAIN_SET, HELDOUT_SET = "calc", "calc_heldout"
 # Tiny Qwen3 defaults (``tiny_qwen3_config`` fields); ``model`` overrides any of them.
 DEFAULT_MODEL = {"hidden_size": 64, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 32,
@@ -71,8 +74,9 @@ class CalcData(TaskData):
         warm_start_noise: share of demonstrations with one wrong operand.
         warm_start_stop_loss: end the warm start once its loss (mean of 50 steps) is at most
             this; None runs all ``warm_start_steps``.
-        warm_start_threads: torch CPU threads of the warm start (None: torch's default).
-            Not part of the manifest.
+        warm_start_threads: torch CPU threads of the warm start (None: one, as the pinned
+            build process starts with). Not part of the manifest, but the policy depends on
+            it: sums split over threads add in another order.
     """
 
     metric = "correct"
@@ -191,7 +195,8 @@ class CalcData(TaskData):
                 log.info("calc task in %s is up to date (built by another process)",
                          self.out_dir)
                 return
-            self._build(settings)
+            # the build runs in a process with pinned CPU kernels: the same policy on any CPU
+            call_pinned(build_calc, init=self.init_args(), settings=settings)
 
     def setup(self, fitting: bool, train_limit: int | None, processes: int,
               prompts_needed: int) -> None:
@@ -242,6 +247,12 @@ class CalcData(TaskData):
                                     exclude={p.question for p in train + warm})
         return train, warm, heldout
 
+    def init_args(self) -> dict:
+        """The constructor's arguments (JSON), from which the build process makes its own."""
+        names = inspect.signature(type(self).__init__).parameters
+        return {n: str(self.out_dir) if n == "out_dir" else getattr(self, n)
+                for n in names if n != "self"}
+
     def _build(self, settings: dict) -> None:
         start = time.perf_counter()
         log.info("building the calc task in %s (first run only; about 3 minutes on 2 cores, "
@@ -261,7 +272,7 @@ class CalcData(TaskData):
                                num_threads=self.warm_start_threads)
             last = stats.pop("losses")[-20:]
             stats["final_loss"] = sum(last) / len(last)
-        result = {"settings": settings, "warm_start": stats,
+        result = {"settings": settings, "warm_start": stats, "kernels": kernels(),
                   "seconds": round(time.perf_counter() - start, 1)}
         # without a manifest, files caught half swapped are never taken as complete
         self.manifest_path.unlink(missing_ok=True)
@@ -281,3 +292,8 @@ class CalcData(TaskData):
         files = [self.train_path, self.heldout_path, self.model_dir / "config.json",
                  self.model_dir / "tokenizer.json"]
         return old == settings and all(f.exists() for f in files)
+
+
+def build_calc(init: dict, settings: dict) -> None:
+    """``CalcData(**init)``'s build from ``settings``, in the process ``call_pinned`` starts."""
+    CalcData(**init)._build(settings)

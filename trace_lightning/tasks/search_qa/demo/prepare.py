@@ -20,6 +20,9 @@ new model in ``model.partial/`` and leaves the old world, manifest included, unt
 then; only the last step (milliseconds) removes the manifest, writes the data, swaps
 ``model/`` in by renames and writes the new manifest. A crash during the long part leaves the
 old world complete; one during the swap leaves no manifest, so the next call rebuilds.
+
+The build runs in a process of its own with pinned CPU kernels (``tasks.build.call_pinned``):
+one config builds the same world, warm-started policy included, on every x86-64 CPU.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from trace_lightning.console import duration
-from trace_lightning.tasks.build import exclusive
+from trace_lightning.tasks.build import call_pinned, exclusive, kernels
 from trace_lightning.tasks.search_qa.demo.warm_start import warm_start
 from trace_lightning.tasks.search_qa.demo.world import World, generate_world, vocabulary_text
 from trace_lightning.tasks.search_qa.environment import SearchEnvironment
@@ -46,7 +49,7 @@ log = logging.getLogger(__name__)
 
 # The tiny policy's instruction: short (every token is paid for on a CPU), same tags.
 DEMO_INSTRUCTION = "Search one name at a time, then answer.\nQuestion: {question}\n"
-MANIFEST_VERSION = 7  # bump when the world, the formats or the warm start change
+MANIFEST_VERSION = 8  # bump when the world, the formats or the warm start change
 # Tiny Qwen3 defaults (``tiny_qwen3_config`` fields); ``model=`` overrides any of them.
 # Measured in calibration runs of the warm start: width 64 learns the skill as fast
 # per example as 128 at about half the compute; 2 layers copy from the question but not
@@ -159,8 +162,9 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
         warm_questions: questions per warm-start world.
         topk: passages per search in the demonstrations (use the same in the RL run).
         use_chat_template: wrap prompts in the chat template (use the same in the RL run).
-        warm_start_threads: torch CPU threads of the warm start (None: torch's default; 1
-            is fastest on a busy machine). Not part of the manifest.
+        warm_start_threads: torch CPU threads of the warm start (None: one, as the pinned
+            build process starts with). Not part of the manifest, but the policy depends on
+            it: sums split over threads add in another order.
         force: rebuild even if the manifest matches.
     """
     if seed == eval_seed:
@@ -199,64 +203,76 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
         if not force and _matches(paths, settings):
             log.info("demo world: %s is up to date (built by another process)", paths.root)
             return paths
-        start = time.perf_counter()
-        stages = 4 if warm_start_steps > 0 else 3
-        log.info("building the demo world in %s (first run only; 3 to 10 minutes on 2 "
-                 "cores, most of it the warm start)", paths.root)
-        sizes = {"n_people": n_people, "n_cities": n_cities, "n_countries": n_countries,
-                 "n_companies": n_companies, "namesakes": namesakes}
-        train = generate_world(seed, n_questions=n_questions, **sizes)
-        warm = ([generate_world(s, n_questions=warm_questions, **sizes) for s in warm_seeds]
-                if warm_start_steps > 0 else [])
-        held_out = held_out_world(eval_seed, n_eval_questions, [train, *warm], **sizes)
-        log.info("  1/%d corpus: a training world (%d questions, %d documents), a held-out "
-                 "one (%d questions) and %d warm-start worlds (%s)", stages,
-                 len(train.questions), len(train.documents), len(held_out.questions),
-                 len(warm), duration(time.perf_counter() - start))
-
-        texts = vocabulary_text(**sizes) + [DEMO_INSTRUCTION.format(question=q["question"])
-                                            for q in train.questions[:50]]
-        tokenizer = train_tokenizer(texts, vocab_size, AGENT_TAGS)
-        log.info("  2/%d tokenizer: byte-level BPE of %d tokens (%s)", stages, vocab_size,
-                 duration(time.perf_counter() - start))
-        staging = paths.model.with_name(paths.model.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        build_tiny_model(tokenizer, staging, seed=model_seed, **model_cfg)
-        log.info("  3/%d policy: a tiny Qwen3, %d layers of width %d (%s)", stages,
-                 model_cfg["layers"], model_cfg["hidden_size"],
-                 duration(time.perf_counter() - start))
-        stats: dict = {}
-        if warm_start_steps > 0:
-            log.info("  4/%d warm start: supervised steps on gold trajectories of the "
-                     "warm-start worlds, at most %d, until the loss is %s", stages,
-                     warm_start_steps, warm_start_stop_loss)
-            env = demo_env(tokenizer, warm[0], topk=topk, use_chat_template=use_chat_template)
-            stats = warm_start(staging, warm, env, steps=warm_start_steps,
-                               batch_size=warm_start_batch, lr=warm_start_lr,
-                               noise=warm_start_noise,
-                               context_weight=warm_start_context_weight,
-                               stop_loss=warm_start_stop_loss, seed=model_seed,
-                               num_threads=warm_start_threads)
-            stats["final_loss"] = sum(stats["losses"][-20:]) / len(stats["losses"][-20:])
-            del stats["losses"]
-        result = {"settings": settings, "warm_start": stats,
-                  "seconds": round(time.perf_counter() - start, 1),
-                  "files": {k: str(v.relative_to(paths.root)) for k, v in asdict(paths).items()
-                            if k not in ("root", "manifest")}}
-        # The swap: without a manifest, a world caught half swapped is never taken as complete.
-        paths.manifest.unlink(missing_ok=True)
-        write_records(train.documents, paths.train_corpus)
-        write_records(qa_records(train), paths.train_qa)
-        write_records(held_out.documents, paths.eval_corpus)
-        write_records(qa_records(held_out), paths.eval_qa)
-        replace_dir(staging, paths.model)
-        tmp = paths.manifest.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(paths.manifest)
-        loss = stats.get("final_loss")
-        log.info("demo world ready in %s (%s%s)", paths.root, duration(result["seconds"]),
-                 "" if loss is None else f"; warm-start loss {loss:.3f}")
+        # the build runs in a process with pinned CPU kernels: the same world on any CPU
+        call_pinned(build_demo, out_dir=str(paths.root), settings=settings,
+                    warm_start_threads=warm_start_threads)
         return paths
+
+
+def build_demo(out_dir: str, settings: dict, warm_start_threads: int | None = None) -> None:
+    """Build the demo under ``out_dir`` from ``prepare_demo``'s ``settings`` (checked there),
+    in the process ``call_pinned`` starts, and swap it in: the new model is trained in
+    ``model.partial/`` and the old world stays whole until the last step."""
+    paths, s = DemoPaths.under(out_dir), settings
+    sizes = {k: s[k] for k in ("n_people", "n_cities", "n_countries", "n_companies",
+                               "namesakes")}
+    model_cfg, steps = s["model"], s["warm_start_steps"]
+    warm_seeds = [s["warm_seed"] * 1000 + k for k in range(s["warm_worlds"])]
+    start = time.perf_counter()
+    stages = 4 if steps > 0 else 3
+    log.info("building the demo world in %s (first run only; 3 to 10 minutes on 2 "
+             "cores, most of it the warm start)", paths.root)
+    train = generate_world(s["seed"], n_questions=s["n_questions"], **sizes)
+    warm = ([generate_world(w, n_questions=s["warm_questions"], **sizes) for w in warm_seeds]
+            if steps > 0 else [])
+    held_out = held_out_world(s["eval_seed"], s["n_eval_questions"], [train, *warm], **sizes)
+    log.info("  1/%d corpus: a training world (%d questions, %d documents), a held-out "
+             "one (%d questions) and %d warm-start worlds (%s)", stages,
+             len(train.questions), len(train.documents), len(held_out.questions),
+             len(warm), duration(time.perf_counter() - start))
+
+    texts = vocabulary_text(**sizes) + [DEMO_INSTRUCTION.format(question=q["question"])
+                                        for q in train.questions[:50]]
+    tokenizer = train_tokenizer(texts, s["vocab_size"], AGENT_TAGS)
+    log.info("  2/%d tokenizer: byte-level BPE of %d tokens (%s)", stages, s["vocab_size"],
+             duration(time.perf_counter() - start))
+    staging = paths.model.with_name(paths.model.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    build_tiny_model(tokenizer, staging, seed=s["model_seed"], **model_cfg)
+    log.info("  3/%d policy: a tiny Qwen3, %d layers of width %d (%s)", stages,
+             model_cfg["layers"], model_cfg["hidden_size"],
+             duration(time.perf_counter() - start))
+    stats: dict = {}
+    if steps > 0:
+        log.info("  4/%d warm start: supervised steps on gold trajectories of the "
+                 "warm-start worlds, at most %d, until the loss is %s", stages, steps,
+                 s["warm_start_stop_loss"])
+        env = demo_env(tokenizer, warm[0], topk=s["topk"],
+                       use_chat_template=s["use_chat_template"])
+        stats = warm_start(staging, warm, env, steps=steps, batch_size=s["warm_start_batch"],
+                           lr=s["warm_start_lr"], noise=s["warm_start_noise"],
+                           context_weight=s["warm_start_context_weight"],
+                           stop_loss=s["warm_start_stop_loss"], seed=s["model_seed"],
+                           num_threads=warm_start_threads)
+        stats["final_loss"] = sum(stats["losses"][-20:]) / len(stats["losses"][-20:])
+        del stats["losses"]
+    result = {"settings": settings, "warm_start": stats, "kernels": kernels(),
+              "seconds": round(time.perf_counter() - start, 1),
+              "files": {k: str(v.relative_to(paths.root)) for k, v in asdict(paths).items()
+                        if k not in ("root", "manifest")}}
+    # The swap: without a manifest, a world caught half swapped is never taken as complete.
+    paths.manifest.unlink(missing_ok=True)
+    write_records(train.documents, paths.train_corpus)
+    write_records(qa_records(train), paths.train_qa)
+    write_records(held_out.documents, paths.eval_corpus)
+    write_records(qa_records(held_out), paths.eval_qa)
+    replace_dir(staging, paths.model)
+    tmp = paths.manifest.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(paths.manifest)
+    loss = stats.get("final_loss")
+    log.info("demo world ready in %s (%s%s)", paths.root, duration(result["seconds"]),
+             "" if loss is None else f"; warm-start loss {loss:.3f}")
 
 
 def _matches(paths: DemoPaths, settings: dict) -> bool:
