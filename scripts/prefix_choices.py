@@ -8,8 +8,12 @@ the path through first children) into those it gave continuations and the rest. 
 side: how many, how sure the policy was of its own turns there (``confidence_of``: the mean
 log-prob of the prefix's policy tokens, its last turn's mean, the share of tokens below
 log 1/2), the mean success of the leaves below (``value``) and the predictor's mean
-prediction. A plain mean over prefixes, each counted once. Ends with one JSON line, with the
-commit and machine load (``benchmarks/provenance.py``), also written to ``--out`` if given.
+prediction. A plain mean over prefixes, each counted once. Then, per depth (the turn a prefix
+ends at), what a continuation from there costs and buys: the bare rollouts' generated tokens
+after such a prefix, the generated tokens of each continuation's path, and how often a
+continuation's reward differs from its bare rollout's (the contrast it adds). Ends with one
+JSON line, with the commit and machine load (``benchmarks/provenance.py``), also written to
+``--out`` if given.
 """
 
 from __future__ import annotations
@@ -59,6 +63,54 @@ def choices(trees: Iterable[RolloutTree]) -> dict[str, dict]:
             for side, s in sides.items()}
 
 
+def by_depth(trees: Iterable[RolloutTree]) -> dict:
+    """``{"bare_rollouts", "bare_tokens", "bare_pairs_differ", "depths": {depth: stats}}``
+    over the bare prefixes of ``trees``: the bare rollouts' mean generated tokens and the share
+    of pairs of one prompt's bare rollouts whose rewards differ (what another fresh rollout
+    adds); per depth the prefixes, those continued, the bare rollout's mean generated tokens
+    after the prefix, the continuations' leaves, their mean generated tokens (their own nodes
+    only: the prefix is shared) and the share whose reward differs from the bare rollout's.
+    Means are None where there is nothing to average."""
+    depths: dict[int, dict[str, list[float]]] = {}
+    bare_tokens, pairs = [], []
+    for tree in trees:
+        rewards = [bare_end(tree, start).reward for start in tree.bare_rollouts()]
+        pairs += [float(a != b) for i, a in enumerate(rewards) for b in rewards[i + 1:]]
+        for start in tree.bare_rollouts():
+            end = bare_end(tree, start)
+            path = tree.path(end.id)[1:]
+            tokens = [n.n_policy_tokens for n in path]
+            bare_tokens.append(sum(tokens))
+            for k, node in enumerate(path):
+                if node.finished:
+                    continue
+                d = depths.setdefault(node.depth, {"prefixes": [], "continued": [], "after": [],
+                                                   "tokens": [], "differs": []})
+                d["prefixes"].append(1)
+                d["continued"].append(int(node.continuations > 0))
+                d["after"].append(sum(tokens[k + 1:]))
+                for child in node.children[1:]:  # the first child is the bare rollout's
+                    stack, spent = [child], 0
+                    while stack:
+                        n = tree.nodes[stack.pop()]
+                        spent += n.n_policy_tokens
+                        if n.finished:
+                            d["differs"].append(float(n.reward != end.reward))
+                        stack.extend(n.children)
+                    d["tokens"].append(spent)
+    out = {}
+    for depth in sorted(depths):
+        d = depths[depth]
+        leaves = len(d["differs"])
+        out[str(depth)] = {"prefixes": len(d["prefixes"]), "continued": sum(d["continued"]),
+                           "bare_tokens_after": _mean(d["after"]), "continuation_leaves": leaves,
+                           "continuation_tokens": (sum(d["tokens"]) / leaves if leaves
+                                                   else None),
+                           "differs_from_bare": _mean(d["differs"])}
+    return {"bare_rollouts": len(bare_tokens), "bare_tokens": _mean(bare_tokens),
+            "bare_pairs_differ": _mean(pairs), "depths": out}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees_dir", help="a run's --data.trees_dir (JSONL files of trees)")
@@ -69,8 +121,9 @@ def main(argv=None) -> dict:
     if not files:
         raise SystemExit(f"prefix_choices.py: no .jsonl files in {args.trees_dir}; give the "
                          f"folder a run wrote with --data.trees_dir")
+    trees = [t for f in files for t in read_jsonl(f)]
     result = {"benchmark": "prefix_choices", "trees_dir": args.trees_dir, "files": len(files),
-              **choices(t for f in files for t in read_jsonl(f))}
+              **choices(trees), "by_depth": by_depth(trees)}
     provenance.publish(result, stamp, args.out)
     return result
 

@@ -652,9 +652,20 @@ def test_prefix_choices_split_the_bare_prefixes_by_hand(tmp_path):
     assert got["passed_over"] == pytest.approx({
         "prefixes": 2, "mean_logprob": (-0.75 - 2 / 3) / 2, "last_turn_logprob": (-0.75 - 0.5) / 2,
         "low_share": (1 / 2 + 1 / 3) / 2, "value": 0.0, "prediction": 0.15})
+    # by depth: bare rollouts of 2 + 1 and 2 + 1 + 1 generated tokens; at depth 1 the
+    # prefixes a and b (1 and 2 tokens after them), a continued once by a 1-token leaf whose 0
+    # differs from its bare rollout's 1; at depth 2 the prefix c (1 token after), not continued
+    # (their rewards 1 and 0: the one pair differs)
+    assert script.by_depth([t]) == {"bare_rollouts": 2, "bare_tokens": 3.5,
+                                    "bare_pairs_differ": 1.0, "depths": {
+        "1": {"prefixes": 2, "continued": 1, "bare_tokens_after": 1.5, "continuation_leaves": 1,
+              "continuation_tokens": 1.0, "differs_from_bare": 1.0},
+        "2": {"prefixes": 1, "continued": 0, "bare_tokens_after": 1.0, "continuation_leaves": 0,
+              "continuation_tokens": None, "differs_from_bare": None}}}
     write_jsonl([t], tmp_path / "epoch_0_rank_0.jsonl")
     script.main([str(tmp_path), "--out", str(tmp_path / "out" / "choices.json")])
     line = json.loads((tmp_path / "out" / "choices.json").read_text())
     assert line["continued"]["prefixes"] == 1 and line["files"] == 1 and "commit" in line
+    assert line["by_depth"]["depths"]["1"]["continued"] == 1
     with pytest.raises(SystemExit, match="no .jsonl files in .*--data.trees_dir"):
         script.main([str(tmp_path / "missing")])
