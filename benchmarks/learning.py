@@ -41,6 +41,8 @@ against sampling budget per method (the mean over seeds, shaded +- its standard 
     python benchmarks/learning.py --held-in 200     # + accuracy on 200 training-world
                                                     # questions (what RL trains on)
     python benchmarks/learning.py --val-every 8 --no-before  # one evaluation, after the fit
+    python benchmarks/learning.py --world my_world.yaml  # on another demo world: a config
+                                       # setting data.demo (out_dir, build) and policy_path
 
 ``--held-in N`` adds a second evaluation, on the first N questions of the training world
 (``val/demo_heldin/em``; candidates are drawn from all its questions, so these are ones
@@ -115,7 +117,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     p.add_argument("--held-in", type=int, default=0,
                    help="also evaluate on this many training-world questions (0: off)")
+    p.add_argument("--world", default=None,
+                   help="a config (YAML) of another demo world, added after configs/demo.yaml "
+                        "to every run: it sets data.demo (where the world is built and how) "
+                        "and model.policy_path (default: the demo's own world, runs/demo/world)")
     return p.parse_args(argv)
+
+
+def world_dir(world_config: str | None) -> str:
+    """Where the runs' demo world lives: ``data.demo.out_dir`` of ``world_config`` (the
+    ``--world`` file), else configs/demo.yaml's."""
+    import yaml
+
+    path = Path(world_config) if world_config else REPO / "configs" / "demo.yaml"
+    if not path.is_file():
+        raise SystemExit(f"--world {world_config}: no such file; give a YAML config that sets "
+                         f"data.demo (out_dir and how to build the world) and "
+                         f"model.policy_path (<out_dir>/model)")
+    out = ((yaml.safe_load(path.read_text()) or {}).get("data") or {}).get("demo", {})
+    if not isinstance(out, dict) or "out_dir" not in out:
+        raise SystemExit(f"--world {world_config}: it sets no data.demo.out_dir; a world config "
+                         f"names where its world is built (and model.policy_path, its model/)")
+    return str(out["out_dir"])
 
 
 def scalars(run_dir: Path, version: int = -1) -> tuple[dict[str, list[float]], float]:
@@ -174,13 +197,16 @@ def _finished(out: Path, epochs: int, held_in: bool, val_every: int = 1,
 def run(method: str, seed: int, args, root: Path) -> dict:
     out = root / f"{method}_seed{seed}"
     configs = ["--config", str(REPO / "configs" / "demo.yaml")]
+    if args.world:
+        configs += ["--config", str(Path(args.world).resolve())]
     if method != "trace":
         configs += ["--config", str(REPO / "configs" / f"demo_{method}.yaml")]
-    val = [{"name": "demo_heldout", "path": "runs/demo/world/eval_qa.jsonl",
-            "corpus": "runs/demo/world/eval_corpus.jsonl", "limit": args.val_limit}]
+    world = world_dir(args.world)
+    val = [{"name": "demo_heldout", "path": f"{world}/eval_qa.jsonl",
+            "corpus": f"{world}/eval_corpus.jsonl", "limit": args.val_limit}]
     if args.held_in:
-        val.append({"name": "demo_heldin", "path": "runs/demo/world/train_qa.jsonl",
-                    "corpus": "runs/demo/world/train_corpus.jsonl", "limit": args.held_in})
+        val.append({"name": "demo_heldin", "path": f"{world}/train_qa.jsonl",
+                    "corpus": f"{world}/train_corpus.jsonl", "limit": args.held_in})
     common = [f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
               f"--seed_everything={seed}", f"--data.seed={seed}",
               f"--data.allocator.seed={seed}", f"--data.val={json.dumps(val)}", *args.extra]
@@ -297,6 +323,7 @@ def main(argv=None) -> dict:
     methods = args.methods.split(",")
     unknown = [m for m in methods
                if m != "trace" and not (REPO / "configs" / f"demo_{m}.yaml").exists()]
+    world_dir(args.world)  # a --world file that names no world fails here, before any run
     if unknown:  # before hours of runs, not after
         raise SystemExit(f"learning.py: --methods {args.methods}: no configs/demo_<method>.yaml "
                          f"for {unknown}; the methods are trace and those configs' "
@@ -452,7 +479,8 @@ def main(argv=None) -> dict:
                       f"{fmt_paired(v[key]) if v else '':>24s}  {seeds_txt}")
     result = {"benchmark": "learning", "seeds": seeds, "epochs": args.epochs,
               "val_every": args.val_every, "final_samples": args.final_samples,
-              "extra": args.extra, "target": target, "methods": summary,
+              "extra": args.extra, "world_config": args.world, "target": target,
+              "methods": summary,
               # each run's own provenance (None: trained before runs recorded it)
               "runs": {f"{r['method']}_seed{r['seed']}": r.get("trained") for r in runs}}
     if "trace" in summary and "uniform" in summary:
@@ -474,7 +502,7 @@ def main(argv=None) -> dict:
         plot(summary, args.plot, target, args.val_every)
     out = args.out or (str(Path(args.out_dir) / "learning.json") if args.quick
                        else str(provenance.RESULTS / "learning.json"))
-    provenance.publish(result, stamp, out, demo_dir="runs/demo/world")
+    provenance.publish(result, stamp, out, demo_dir=world_dir(args.world))
     return result
 
 

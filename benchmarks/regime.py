@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "questions (learning.py --held-in; 0: off)")
     p.add_argument("--extra", action="append", default=[],
                    help="one more CLI override for every run, repeatable")
+    p.add_argument("--world", default=None,
+                   help="a config of another demo world (learning.py --world)")
     return p.parse_args(argv)
 
 
@@ -64,6 +66,7 @@ def budget_args(leaves: int, args) -> list[str]:
             "--out", str(Path(args.out_dir) / f"L{leaves}" / "learning.json"),
             f"--extra=--data.allocator.roots={leaves // 2}",
             f"--extra=--data.candidates_per_step={3 * leaves // 4}",
+            *([f"--world={args.world}"] if args.world else []),
             *[f"--extra={e}" for e in args.extra]]
 
 
@@ -108,10 +111,10 @@ def main(argv=None) -> dict:
     result = {"benchmark": "regime", "total_leaves": args.total_leaves,
               "seeds": [int(s) for s in args.seeds.split(",")],
               "final_samples": args.final_samples, "held_in": args.held_in,
-              "extra": args.extra,
+              "extra": args.extra, "world_config": args.world,
               "budgets": {str(k): v for k, v in rows.items()},
               "runs": {str(k): v for k, v in trained.items()}}
-    provenance.publish(result, stamp, args.out, demo_dir="runs/demo/world")
+    provenance.publish(result, stamp, args.out, demo_dir=learning.world_dir(args.world))
     return result
 
 

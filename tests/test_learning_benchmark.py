@@ -359,3 +359,41 @@ def test_predictor_quality_is_averaged_over_the_runs_that_logged_it(bench):
     assert got == {"predictor/spearman": pytest.approx(0.4),
                    "predictor/roots/spearman": pytest.approx(0.2)}
     assert bench.predictor_means([{}, {}]) == {}
+
+
+def test_another_world_is_a_config_every_run_gets(bench, tmp_path, monkeypatch):
+    """--world adds its YAML after demo.yaml to every command and points the evaluations at
+    its world's files; a file that names no world is one clear error before any run."""
+    world = tmp_path / "world.yaml"
+    world.write_text("model:\n  policy_path: runs/w/model\n"
+                     "data:\n  demo:\n    out_dir: runs/w\n    warm_start_steps: 700\n")
+    assert bench.world_dir(str(world)) == "runs/w"
+    assert bench.world_dir(None) == "runs/demo/world"  # configs/demo.yaml's own
+    calls = []
+    real_run = bench.subprocess.run
+
+    def record(cmd, **kwargs):  # the CLI's commands recorded; git (provenance) runs
+        if "trace_lightning.cli" not in cmd:
+            return real_run(cmd, **kwargs)
+        calls.append(cmd)
+        (tmp_path / "runs" / "uniform_seed0").mkdir(parents=True, exist_ok=True)
+
+    monkeypatch.setattr(bench.subprocess, "run", record)
+    monkeypatch.setattr(bench, "scalars",
+                        lambda out, version=-1: ({bench.KEYS["acc"]: [0.5]}, 1.0))
+    args = bench.parse_args(["--world", str(world), "--epochs", "1"])
+    bench.run("uniform", 0, args, tmp_path / "runs")
+    assert [c[3] for c in calls] == ["validate", "fit"]
+    for cmd in calls:
+        configs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--config"]
+        assert configs[0].endswith("configs/demo.yaml") and configs[1] == str(world.resolve())
+        assert configs[2].endswith("configs/demo_uniform.yaml")
+        val = json.loads(next(a for a in cmd if a.startswith("--data.val=")).split("=", 1)[1])
+        assert val[0]["path"] == "runs/w/eval_qa.jsonl"
+        assert val[0]["corpus"] == "runs/w/eval_corpus.jsonl"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  seed: 3\n")
+    with pytest.raises(SystemExit, match=r"--world .*bad\.yaml: it sets no data\.demo\.out_dir"):
+        bench.world_dir(str(bad))
+    with pytest.raises(SystemExit, match=r"--world .*missing\.yaml: no such file"):
+        bench.world_dir(str(tmp_path / "missing.yaml"))
