@@ -30,8 +30,16 @@ less noise than the last one alone) and in effective ratio, each with its standa
 and the count of seeds ahead. ``--final-samples K`` evaluates each run's last checkpoint once
 more with K samples per held-out question (``trace-lightning validate --ckpt_path``, in
 ``<run>/final_eval``; each per-epoch evaluation takes 2): the final accuracy with about
-sqrt(K / 2) times less sampling noise, paired the same way. Writes a plot of accuracy
-against sampling budget per method (the mean over seeds, shaded +- its standard error).
+sqrt(K / 2) times less sampling noise, paired the same way; that score is then also the
+last point of each curve the costs to the target are read on, and uniform's mean of it the
+default target. A compute ratio read where two flat curves cross moves with a few seeds, so
+each comes with an interval: the seeds resampled with replacement (paired), the target and
+both mean curves recomputed per draw, 90% of the draws' ratios inside. ``targets`` in the
+JSON line checks trace against the issue's: at most 0.6x uniform's tokens and 0.8x its
+training seconds to uniform's final accuracy (the interval's upper end under the bound), and
+a final accuracy not behind by more than one standard error of the paired difference.
+Writes a plot of accuracy against sampling budget per method (the mean over seeds, shaded
++- its standard error).
 
     python benchmarks/learning.py                   # 3 seeds x 4 methods (about an hour here)
     python benchmarks/learning.py --quick           # 1 seed, 3 epochs, 128 leaves (< 10 min here)
@@ -63,6 +71,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -84,6 +93,14 @@ PREDICTOR_TAGS = [f"predictor/{part}{metric}" for part in ("", "roots/", "prefix
 # Written beside each run this benchmark trains: that run's command, commit, date and the
 # machine's load before and after it (a run read back was trained by an earlier command).
 RUN_RECORD = "run.json"
+# Compute ratios' intervals: seeds resampled this many times, the central share kept
+BOOT_DRAWS, BOOT_LEVEL = 2000, 0.9
+# The costs to the target: leaves, generated tokens, training seconds (name, run key)
+COSTS = (("budget", "leaves"), ("tokens", "tokens"), ("time", "step_s"))
+# The issue's targets for trace against uniform: at most these shares of uniform's generated
+# tokens and training seconds to uniform's final accuracy (the interval's upper end must be
+# under them), and a final accuracy not behind by more than one standard error
+TARGETS = {"tokens": 0.6, "time": 0.8}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -297,6 +314,53 @@ def budget_on_curve(acc_before: float, acc: list[float], leaves: list[float],
     return None
 
 
+def cost_curve(r: dict) -> list[float]:
+    """A run's accuracy after each evaluation as the costs to the target read it: the last
+    one is the final evaluation's (``--final-samples``, the same checkpoint on K samples per
+    question instead of 2) where there is one, since a crossing is decided near the end."""
+    final = r.get("acc_final_eval")
+    return [*r["acc"][:-1], final] if final is not None else list(r["acc"])
+
+
+def mean_curve_cost(rs: list[dict], key: str, target: float, val_every: int,
+                    idx: Sequence[int] | None = None) -> float | None:
+    """Cost (``key``: leaves, tokens or step_s) at which the mean over the runs ``rs[idx]``
+    (all by default; repeats count again) of their cost curves first reaches ``target``:
+    each interval's mean cost over those runs, linear between evaluations (None: never)."""
+    idx = range(len(rs)) if idx is None else idx
+    curves = np.array([cost_curve(rs[i]) for i in idx])  # (runs, evaluations)
+    costs = np.array([per_eval(rs[i][key], val_every) for i in idx])  # (runs, evaluations)
+    before = float(np.mean([rs[i]["acc_before"] for i in idx]))
+    return budget_on_curve(before, curves.mean(0).tolist(), costs.mean(0).tolist(), target)
+
+
+def cost_ratio_interval(u: list[dict], m: list[dict], key: str, target: float | None,
+                        val_every: int, draws: int = BOOT_DRAWS, level: float = BOOT_LEVEL,
+                        seed: int = 0) -> dict:
+    """How sure a compute-to-target ratio is: the seeds drawn with replacement ``draws``
+    times (paired: one draw picks the same seeds of ``u``, uniform, and ``m``), and for each
+    draw the target (uniform's mean final on those seeds, or the given ``target``) and
+    ``m``'s cost to it over ``u``'s, both on the drawn seeds' mean curves. Returns the
+    ``level`` interval's ends (percentiles of the draws; ``inf``: ``m`` does not reach the
+    target in that share of draws or more) and the share of draws where ``m`` reaches it.
+    Draws where uniform's own mean curve is at the target before RL are left out."""
+    rng = np.random.default_rng(seed)
+    ratios = []  # (draws,): m's cost / u's, inf where m never reaches the target
+    for _ in range(draws):
+        idx = rng.integers(0, len(u), len(u))
+        t = target if target is not None else float(np.mean([cost_curve(u[i])[-1]
+                                                             for i in idx]))
+        uc, mc = mean_curve_cost(u, key, t, val_every, idx), mean_curve_cost(m, key, t,
+                                                                            val_every, idx)
+        if uc:
+            ratios.append(np.inf if mc is None else mc / uc)
+    ratios = np.array(ratios)
+    tail = (1 - level) / 2
+    low, high = np.quantile(ratios, [tail, 1 - tail], method="inverted_cdf")
+    return {"low": float(low), "high": float(high), "level": level,
+            "reached_share": float(np.isfinite(ratios).mean()), "draws": len(ratios)}
+
+
 def paired(a: list[float], b: list[float]) -> dict:
     """``a - b`` seed by seed: the differences, their mean, the standard error of that mean
     (sample standard deviation / sqrt(seeds); None for one seed) and how many are > 0."""
@@ -361,6 +425,7 @@ def main(argv=None) -> dict:
                        if all(len(r.get("step_s", [])) == args.epochs for r in rs) else None),
             "wall_s": float(np.mean([r["wall_s"] for r in rs])),
             "final_acc_per_seed": acc[:, -1].tolist(),
+            "acc_per_seed": acc.tolist(),
             "effective_per_seed": [float(np.mean(r["effective"])) for r in rs],
             # the epochs' mean per seed, then over the seeds that logged the tag
             "predictor": predictor_means([r.get("predictor", {}) for r in rs]),
@@ -384,25 +449,25 @@ def main(argv=None) -> dict:
                 per_seed = [r["acc_in_final_eval"] for r in rs]
                 summary[m]["held_in_final_eval_per_seed"] = per_seed
                 summary[m]["held_in_final_eval_acc"] = float(np.mean(per_seed))
+    # the target: uniform's final accuracy, on K samples per question with --final-samples
     target = args.target
     if target is None and "uniform" in summary:
-        target = summary["uniform"]["final_acc"]
+        target = float(np.mean([cost_curve(r)[-1] for r in runs if r["method"] == "uniform"]))
     for m in methods:
         rs = [r for r in runs if r["method"] == m]
         r = summary[m]
-        for unit, key in (("budget", "leaves"), ("tokens", "tokens"), ("time", "step_s")):
+        for unit, key in COSTS:
             # cost to the target per seed (first evaluation at or above it) and on the mean
-            # curve (each interval's mean cost over seeds; linear between evaluations)
+            # curve (each interval's mean cost over seeds; linear between evaluations), each
+            # curve ending with its final evaluation (cost_curve)
             reach = target is not None and args.before and (key != "step_s"
                                                             or r["step_s"] is not None)
             r[f"{unit}_to_target"] = [
-                budget_to_reach(x["acc_before"], x["acc"], per_eval(x[key], args.val_every),
-                                target) if reach else None for x in rs]
+                budget_to_reach(x["acc_before"], cost_curve(x),
+                                per_eval(x[key], args.val_every), target) if reach else None
+                for x in rs]
             r[f"{unit}_to_target_mean_curve"] = (
-                budget_on_curve(r["acc_before"], r["acc_mean"],
-                                np.mean([per_eval(x[key], args.val_every) for x in rs],
-                                        axis=0).tolist(), target)
-                if reach else None)
+                mean_curve_cost(rs, key, target, args.val_every) if reach else None)
         # the area under each seed's curve: the mean of its evaluations after every epoch
         r["mean_acc_per_seed"] = [float(np.mean(x["acc"])) for x in rs]
     if "uniform" in summary:
@@ -425,6 +490,15 @@ def main(argv=None) -> dict:
                 if args.final_samples and args.held_in:
                     r["vs_uniform"]["held_in_final_eval"] = paired(
                         r["held_in_final_eval_per_seed"], u["held_in_final_eval_per_seed"])
+                # how sure the cost ratios to the target are, over the seeds (the target
+                # drawn with them unless --target fixed it)
+                rs = [x for x in runs if x["method"] == m]
+                us = [x for x in runs if x["method"] == "uniform"]
+                r["vs_uniform"]["cost_ratio_interval"] = {
+                    unit: cost_ratio_interval(us, rs, key, args.target, args.val_every)
+                    for unit, key in COSTS
+                    if args.before and len(seeds) > 1
+                    and (key != "step_s" or (r["step_s"] and u["step_s"]))}
 
     print(f"\nlearning benchmark: {len(seeds)} seed(s) x {args.epochs} epochs, "
           f"target accuracy {'-' if target is None else f'{target:.3f}'}")
@@ -453,6 +527,14 @@ def main(argv=None) -> dict:
                   f"{_num(r['budget_to_target_mean_curve'], '9.0f')}"
                   f"{_num(r['tokens_to_target_mean_curve'], '10.0f')}"
                   f"{_num(r['time_to_target_mean_curve'], '9.1f')}")
+        print(f"\nthe ratios to uniform's cost, {BOOT_LEVEL:.0%} interval over the seeds "
+              f"({BOOT_DRAWS} draws; inf: the target not reached; reached: share of draws)")
+        for m, r in summary.items():
+            intervals = r.get("vs_uniform", {}).get("cost_ratio_interval", {})
+            if intervals:
+                print(f"{m:12s}" + "".join(
+                    f"{unit} {r_['low']:.2f}-{r_['high']:.2f} (reached "
+                    f"{r_['reached_share']:.0%})   " for unit, r_ in intervals.items()))
     if args.held_in:
         print(f"\ntraining-world accuracy ({args.held_in} questions), before RL and after each "
               f"epoch (mean over seeds); vs uniform: final, and all-epoch mean")
@@ -491,19 +573,46 @@ def main(argv=None) -> dict:
         if args.final_samples:
             result["trace_ahead_every_seed_final_eval"] = \
                 vs["final_eval"]["ahead"] == len(seeds)
-        tb, ub = t["budget_to_target_mean_curve"], u["budget_to_target_mean_curve"]
-        if tb is not None and ub:
-            result["trace_budget_over_uniform"] = tb / ub
-        for unit in ("tokens", "time"):
+        for unit, _ in COSTS:
             tc, uc = t[f"{unit}_to_target_mean_curve"], u[f"{unit}_to_target_mean_curve"]
             if tc is not None and uc:
                 result[f"trace_{unit}_over_uniform"] = tc / uc
+        result["targets"] = targets(result, vs, "final_eval" if args.final_samples
+                                    else "final_acc")
+    if "targets" in result:
+        print("\ntrace's targets: " + "; ".join(
+            f"{unit} at most {v['at_most']}x: "
+            f"{'met' if v['met'] else 'not met'} ({_num(v['ratio'], '.2f')}"
+            + (f", interval {v['interval'][0]:.2f}-{v['interval'][1]:.2f})" if v["interval"]
+               else ")")
+            for unit, v in result["targets"].items() if unit in TARGETS)
+            + f"; final not behind by more than one standard error: "
+              f"{'met' if result['targets']['final']['met'] else 'not met'}")
     if args.plot and args.before:
         plot(summary, args.plot, target, args.val_every)
     out = args.out or (str(Path(args.out_dir) / "learning.json") if args.quick
                        else str(provenance.RESULTS / "learning.json"))
     provenance.publish(result, stamp, out, demo_dir=world_dir(args.world))
     return result
+
+
+def targets(result: dict, vs: dict, final_key: str) -> dict:
+    """Trace against the issue's targets (``TARGETS``): each cost ratio is met when the
+    upper end of its interval over seeds is at or under its bound (an unreached target or a
+    single seed: not met), the final accuracy when trace's paired difference from uniform
+    (``final_key``: on K samples per question with --final-samples) is no more than one
+    standard error below zero."""
+    out = {}
+    for unit, bound in TARGETS.items():
+        interval = vs.get("cost_ratio_interval", {}).get(unit)
+        out[unit] = {"ratio": result.get(f"trace_{unit}_over_uniform"), "at_most": bound,
+                     "interval": [interval["low"], interval["high"]] if interval else None,
+                     "met": bool(interval) and interval["high"] <= bound}
+    d = vs[final_key]
+    out["final"] = {"diff": d["mean"], "se": d["se"], "scores": final_key,
+                    "met": d["se"] is not None and d["mean"] >= -d["se"]}
+    out["all_met"] = all(v["met"] for v in out.values())
+    return out
 
 
 def per_eval(per_epoch: list[float], every: int) -> list[float]:

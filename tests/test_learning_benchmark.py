@@ -397,3 +397,72 @@ def test_another_world_is_a_config_every_run_gets(bench, tmp_path, monkeypatch):
         bench.world_dir(str(bad))
     with pytest.raises(SystemExit, match=r"--world .*missing\.yaml: no such file"):
         bench.world_dir(str(tmp_path / "missing.yaml"))
+
+
+def test_a_cost_ratio_interval_over_resampled_seeds_by_hand(bench):
+    """Uniform's two seeds are alike (0.40 -> 0.42 -> 0.44, 1,000 tokens a step: 2,000 to
+    the target 0.44); trace's seed 0 is there after one step of 500 tokens (ratio 0.25), its
+    seed 1 never (0.40, 0.40). A draw of both seeds 0 reaches the target at 0.25; any draw
+    with seed 1 averages a curve (0.42, 0.43 at best) that never does: reached in 1/4 of
+    the draws, so the 90% interval runs from 0.25 to inf."""
+    def run(acc):
+        return {"acc_before": 0.40, "acc": acc, "tokens": [1000.0, 1000.0]}
+    u = [run([0.42, 0.44]), run([0.42, 0.44])]
+    t = [{**run([0.44, 0.46]), "tokens": [500.0, 500.0]},
+         {**run([0.40, 0.40]), "tokens": [500.0, 500.0]}]
+    assert bench.mean_curve_cost(t, "tokens", 0.44, 1, [0, 0]) == pytest.approx(500.0)
+    assert bench.mean_curve_cost(t, "tokens", 0.44, 1, [0, 1]) is None
+    ci = bench.cost_ratio_interval(u, t, "tokens", 0.44, 1)
+    assert ci["low"] == pytest.approx(0.25) and ci["high"] == math.inf
+    assert ci["reached_share"] == pytest.approx(0.25, abs=0.04) and ci["draws"] == 2000
+    # trace's seed 0 alone twice: every draw is the same, so is the interval
+    ci = bench.cost_ratio_interval(u, [t[0], t[0]], "tokens", 0.44, 1)
+    assert (ci["low"], ci["high"], ci["reached_share"]) == (pytest.approx(0.25),
+                                                            pytest.approx(0.25), 1.0)
+
+
+def test_the_final_evaluation_ends_each_curve_and_sets_the_target(bench, monkeypatch,
+                                                                   tmp_path):
+    """With --final-samples the last point of each curve is the 16-sample score of that
+    checkpoint: uniform's curve 0.42, 0.46 (2 samples) ends at 0.44 instead, which is the
+    target; it gets there after 2 steps (2,000 tokens, 20 s), where its 2-sample curve
+    would have said 1.5 steps. Trace's 0.44 after one step (500 tokens, 5 s): 0.25 of each,
+    on two identical seeds, so an interval of 0.25-0.25 and every target met (its 16-sample
+    final 0.45 is ahead)."""
+    def fake_run(method, seed, args, root):
+        acc, final, tokens, step_s = {"uniform": ([0.42, 0.46], 0.44, 1000.0, 10.0),
+                                      "trace": ([0.44, 0.43], 0.45, 500.0, 5.0)}[method]
+        return {"method": method, "seed": seed, "acc_before": 0.40, "acc": acc,
+                "acc_final_eval": final, "effective": [0.4, 0.4], "informative": [0.4, 0.4],
+                "leaves": [256, 256], "tokens": [tokens] * 2, "step_s": [step_s] * 2,
+                "wall_s": 2.0}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    result = bench.main(["--methods", "uniform,trace", "--seeds", "0,1", "--epochs", "2",
+                         "--final-samples", "16", "--plot", str(tmp_path / "p.png"),
+                         "--out", str(tmp_path / "l.json")])
+    assert result["target"] == pytest.approx(0.44)
+    u, t = result["methods"]["uniform"], result["methods"]["trace"]
+    assert u["tokens_to_target_mean_curve"] == pytest.approx(2000.0)
+    assert t["tokens_to_target_mean_curve"] == pytest.approx(500.0)
+    assert result["trace_tokens_over_uniform"] == pytest.approx(0.25)
+    assert result["trace_time_over_uniform"] == pytest.approx(0.25)
+    # the plotted and paired 2-sample curves are left as they were measured
+    assert u["acc_per_seed"] == [[0.42, 0.46], [0.42, 0.46]] and u["final_acc"] == 0.46
+    targets = result["targets"]
+    assert targets["tokens"]["interval"] == [pytest.approx(0.25), pytest.approx(0.25)]
+    assert targets["tokens"]["met"] and targets["time"]["met"]
+    assert targets["final"]["diff"] == pytest.approx(0.01) and targets["final"]["met"]
+    assert targets["all_met"]
+
+
+def test_targets_need_the_interval_under_the_bound(bench):
+    """A ratio under its bound whose interval is not (0.5, up to 0.7 against 0.6) is not
+    met; a final 0.004 behind with a standard error of 0.003 is not either."""
+    vs = {"cost_ratio_interval": {"tokens": {"low": 0.4, "high": 0.7},
+                                  "time": {"low": 0.5, "high": 0.79}},
+          "final_acc": {"mean": -0.004, "se": 0.003}}
+    out = bench.targets({"trace_tokens_over_uniform": 0.5, "trace_time_over_uniform": 0.6},
+                        vs, "final_acc")
+    assert not out["tokens"]["met"] and out["time"]["met"]
+    assert not out["final"]["met"] and not out["all_met"]
