@@ -128,6 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra", action="append", default=[],
                    help="one more CLI override for every run, repeatable: "
                         "--extra=--model.advantage=treepo --extra=--data.allocator.roots=64")
+    p.add_argument("--extra-for", action="append", default=[], metavar="METHOD=OVERRIDE",
+                   help="one more CLI override for one method's runs, repeatable: "
+                        "--extra-for trace=--model.lr=5e-4 (each method at its own learning "
+                        "rate; give that comparison its own --out-dir)")
     p.add_argument("--final-samples", type=int, default=0,
                    help="evaluate each run's last checkpoint again with this many samples per "
                         "held-out question (0: off)")
@@ -211,6 +215,20 @@ def _finished(out: Path, epochs: int, held_in: bool, val_every: int = 1,
     return done == evals
 
 
+def extra_for(pairs: list[str], methods: list[str] | None = None) -> dict[str, list[str]]:
+    """``--extra-for METHOD=OVERRIDE`` values as each method's overrides, in order; with
+    ``methods`` a pair is checked against them (one error naming the flag and the value)."""
+    out: dict[str, list[str]] = {}
+    for pair in pairs:
+        method, sep, override = pair.partition("=")
+        if not sep or not override.startswith("--") or (methods and method not in methods):
+            raise SystemExit(f"learning.py: --extra-for {pair}: expected METHOD=--override "
+                             f"with METHOD one of --methods ({','.join(methods or [])}), e.g. "
+                             f"--extra-for trace=--model.lr=5e-4")
+        out.setdefault(method, []).append(override)
+    return out
+
+
 def run(method: str, seed: int, args, root: Path) -> dict:
     out = root / f"{method}_seed{seed}"
     configs = ["--config", str(REPO / "configs" / "demo.yaml")]
@@ -226,7 +244,8 @@ def run(method: str, seed: int, args, root: Path) -> dict:
                     "corpus": f"{world}/train_corpus.jsonl", "limit": args.held_in})
     common = [f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
               f"--seed_everything={seed}", f"--data.seed={seed}",
-              f"--data.allocator.seed={seed}", f"--data.val={json.dumps(val)}", *args.extra]
+              f"--data.allocator.seed={seed}", f"--data.val={json.dumps(val)}", *args.extra,
+              *extra_for(args.extra_for).get(method, [])]
     if args.fresh or not _finished(out, args.epochs, args.held_in > 0, args.val_every,
                                    args.before):
         if out.exists():
@@ -388,6 +407,7 @@ def main(argv=None) -> dict:
     unknown = [m for m in methods
                if m != "trace" and not (REPO / "configs" / f"demo_{m}.yaml").exists()]
     world_dir(args.world)  # a --world file that names no world fails here, before any run
+    extra_for(args.extra_for, methods)  # so does a malformed --extra-for
     if unknown:  # before hours of runs, not after
         raise SystemExit(f"learning.py: --methods {args.methods}: no configs/demo_<method>.yaml "
                          f"for {unknown}; the methods are trace and those configs' "
@@ -561,7 +581,8 @@ def main(argv=None) -> dict:
                       f"{fmt_paired(v[key]) if v else '':>24s}  {seeds_txt}")
     result = {"benchmark": "learning", "seeds": seeds, "epochs": args.epochs,
               "val_every": args.val_every, "final_samples": args.final_samples,
-              "extra": args.extra, "world_config": args.world, "target": target,
+              "extra": args.extra, "extra_for": extra_for(args.extra_for),
+              "world_config": args.world, "target": target,
               "methods": summary,
               # each run's own provenance (None: trained before runs recorded it)
               "runs": {f"{r['method']}_seed{r['seed']}": r.get("trained") for r in runs}}

@@ -466,3 +466,32 @@ def test_targets_need_the_interval_under_the_bound(bench):
                         vs, "final_acc")
     assert not out["tokens"]["met"] and out["time"]["met"]
     assert not out["final"]["met"] and not out["all_met"]
+
+
+def test_an_override_for_one_method_reaches_only_its_runs(bench, tmp_path, monkeypatch):
+    """--extra-for trace=--model.lr=5e-4: trace's fit gets the override after the common
+    ones, uniform's does not; a pair naming no method of --methods is one error, before
+    any run."""
+    calls = []
+    real_run = bench.subprocess.run
+
+    def fake_subprocess_run(cmd, **kw):
+        if "trace_lightning.cli" not in cmd:
+            return real_run(cmd, **kw)  # git, for the run's provenance
+        calls.append(cmd)
+        raise RuntimeError("stop after the first command")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_subprocess_run)
+    args = bench.parse_args(["--extra=--data.allocator.roots=64",
+                             "--extra-for", "trace=--model.lr=5e-4"])
+    for method in ("uniform", "trace"):
+        with pytest.raises(RuntimeError):
+            bench.run(method, 0, args, tmp_path)
+    uniform_cmd, trace_cmd = calls
+    assert "--model.lr=5e-4" not in uniform_cmd and "--data.allocator.roots=64" in uniform_cmd
+    assert trace_cmd[-1] == "--model.lr=5e-4"
+    for bad in ("oracle=--model.lr=1e-3", "trace", "trace=model.lr=1e-3"):
+        with pytest.raises(SystemExit, match="--extra-for"):
+            bench.main(["--methods", "uniform,trace", "--extra-for", bad,
+                        "--out-dir", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
