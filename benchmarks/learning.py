@@ -362,7 +362,8 @@ def cost_ratio_interval(u: list[dict], m: list[dict], key: str, target: float | 
     ``m``'s cost to it over ``u``'s, both on the drawn seeds' mean curves. Returns the
     ``level`` interval's ends (percentiles of the draws; ``inf``: ``m`` does not reach the
     target in that share of draws or more) and the share of draws where ``m`` reaches it.
-    Draws where uniform's own mean curve is at the target before RL are left out."""
+    Draws where uniform's own mean curve is at the target before RL are left out (None:
+    every draw was)."""
     rng = np.random.default_rng(seed)
     ratios = []  # (draws,): m's cost / u's, inf where m never reaches the target
     for _ in range(draws):
@@ -373,6 +374,8 @@ def cost_ratio_interval(u: list[dict], m: list[dict], key: str, target: float | 
                                                                             val_every, idx)
         if uc:
             ratios.append(np.inf if mc is None else mc / uc)
+    if not ratios:
+        return None
     ratios = np.array(ratios)
     tail = (1 - level) / 2
     low, high = np.quantile(ratios, [tail, 1 - tail], method="inverted_cdf")
@@ -514,11 +517,13 @@ def main(argv=None) -> dict:
                 # drawn with them unless --target fixed it)
                 rs = [x for x in runs if x["method"] == m]
                 us = [x for x in runs if x["method"] == "uniform"]
-                r["vs_uniform"]["cost_ratio_interval"] = {
+                intervals = {
                     unit: cost_ratio_interval(us, rs, key, args.target, args.val_every)
                     for unit, key in COSTS
                     if args.before and len(seeds) > 1
                     and (key != "step_s" or (r["step_s"] and u["step_s"]))}
+                r["vs_uniform"]["cost_ratio_interval"] = {
+                    unit: v for unit, v in intervals.items() if v is not None}
 
     print(f"\nlearning benchmark: {len(seeds)} seed(s) x {args.epochs} epochs, "
           f"target accuracy {'-' if target is None else f'{target:.3f}'}")

@@ -419,6 +419,8 @@ def test_a_cost_ratio_interval_over_resampled_seeds_by_hand(bench):
     ci = bench.cost_ratio_interval(u, [t[0], t[0]], "tokens", 0.44, 1)
     assert (ci["low"], ci["high"], ci["reached_share"]) == (pytest.approx(0.25),
                                                             pytest.approx(0.25), 1.0)
+    # uniform there before RL in every draw: no ratio to draw
+    assert bench.cost_ratio_interval(u, t, "tokens", 0.40, 1) is None
 
 
 def test_the_final_evaluation_ends_each_curve_and_sets_the_target(bench, monkeypatch,
