@@ -360,8 +360,8 @@ def cost_ratio_interval(u: list[dict], m: list[dict], key: str, target: float | 
     times (paired: one draw picks the same seeds of ``u``, uniform, and ``m``), and for each
     draw the target (uniform's mean final on those seeds, or the given ``target``) and
     ``m``'s cost to it over ``u``'s, both on the drawn seeds' mean curves. Returns the
-    ``level`` interval's ends (percentiles of the draws; ``inf``: ``m`` does not reach the
-    target in that share of draws or more) and the share of draws where ``m`` reaches it.
+    ``level`` interval's ends (percentiles of the draws; None, "never": ``m`` does not reach
+    the target in that share of draws or more) and the share of draws where ``m`` reaches it.
     Draws where uniform's own mean curve is at the target before RL are left out (None:
     every draw was)."""
     rng = np.random.default_rng(seed)
@@ -378,8 +378,9 @@ def cost_ratio_interval(u: list[dict], m: list[dict], key: str, target: float | 
         return None
     ratios = np.array(ratios)
     tail = (1 - level) / 2
-    low, high = np.quantile(ratios, [tail, 1 - tail], method="inverted_cdf")
-    return {"low": float(low), "high": float(high), "level": level,
+    low, high = (float(x) if np.isfinite(x) else None
+                 for x in np.quantile(ratios, [tail, 1 - tail], method="inverted_cdf"))
+    return {"low": low, "high": high, "level": level,
             "reached_share": float(np.isfinite(ratios).mean()), "draws": len(ratios)}
 
 
@@ -553,12 +554,12 @@ def main(argv=None) -> dict:
                   f"{_num(r['tokens_to_target_mean_curve'], '10.0f')}"
                   f"{_num(r['time_to_target_mean_curve'], '9.1f')}")
         print(f"\nthe ratios to uniform's cost, {BOOT_LEVEL:.0%} interval over the seeds "
-              f"({BOOT_DRAWS} draws; inf: the target not reached; reached: share of draws)")
+              f"({BOOT_DRAWS} draws; never: the target not reached; reached: share of draws)")
         for m, r in summary.items():
             intervals = r.get("vs_uniform", {}).get("cost_ratio_interval", {})
             if intervals:
                 print(f"{m:12s}" + "".join(
-                    f"{unit} {r_['low']:.2f}-{r_['high']:.2f} (reached "
+                    f"{unit} {_ratio(r_['low'])}-{_ratio(r_['high'])} (reached "
                     f"{r_['reached_share']:.0%})   " for unit, r_ in intervals.items()))
     if args.held_in:
         print(f"\ntraining-world accuracy ({args.held_in} questions), before RL and after each "
@@ -609,7 +610,8 @@ def main(argv=None) -> dict:
         print("\ntrace's targets: " + "; ".join(
             f"{unit} at most {v['at_most']}x: "
             f"{'met' if v['met'] else 'not met'} ({_num(v['ratio'], '.2f')}"
-            + (f", interval {v['interval'][0]:.2f}-{v['interval'][1]:.2f})" if v["interval"]
+            + (f", interval {_ratio(v['interval'][0])}-{_ratio(v['interval'][1])})"
+               if v["interval"]
                else ")")
             for unit, v in result["targets"].items() if unit in TARGETS)
             + f"; final not behind by more than one standard error: "
@@ -633,7 +635,8 @@ def targets(result: dict, vs: dict, final_key: str) -> dict:
         interval = vs.get("cost_ratio_interval", {}).get(unit)
         out[unit] = {"ratio": result.get(f"trace_{unit}_over_uniform"), "at_most": bound,
                      "interval": [interval["low"], interval["high"]] if interval else None,
-                     "met": bool(interval) and interval["high"] <= bound}
+                     "met": bool(interval) and interval["high"] is not None
+                     and interval["high"] <= bound}
     d = vs[final_key]
     out["final"] = {"diff": d["mean"], "se": d["se"], "scores": final_key,
                     "met": d["se"] is not None and d["mean"] >= -d["se"]}
@@ -645,6 +648,11 @@ def per_eval(per_epoch: list[float], every: int) -> list[float]:
     """Per-epoch costs summed over each stretch between evaluations (every ``every``)."""
     n = len(per_epoch) // every
     return [float(sum(per_epoch[i * every:(i + 1) * every])) for i in range(n)]
+
+
+def _ratio(x: float | None) -> str:
+    """A cost ratio's interval end: ``0.55x``, or ``never`` (None)."""
+    return "never" if x is None else f"{x:.2f}x"
 
 
 def _num(x: float | None, spec: str) -> str:
