@@ -93,7 +93,8 @@ def rows() -> list[str]:
     """The table's rows, one per benchmark whose JSON line is there."""
     out = []
     # The learning benchmark at the demo's budget: the first world build, then the second
-    # (with the demo's beliefs and without); then the first at half the demo's leaves per step.
+    # (with the demo's beliefs and without); then the first at half the demo's leaves per step
+    # and at twice its steps (with beliefs and without).
     second = "the-demos-budget-on-the-second-build"
     for name, what, anchor in (
             ("learning.json", "Learning: trace against GRPO, demo budget, first build",
@@ -104,7 +105,13 @@ def rows() -> list[str]:
              "Learning: the same without beliefs, demo budget, second build", second),
             ("learning_128.json",
              "Learning: trace against GRPO, half the demo's budget per step, first build",
-             "half-the-demos-budget-per-step-128-leaves-the-same-8-steps")):
+             "half-the-demos-budget-per-step-128-leaves-the-same-8-steps"),
+            ("learning_e16.json",
+             "Learning: trace against GRPO, twice the demo's steps (16 epochs), first build",
+             "twice-the-steps-16-epochs-at-the-demos-budget"),
+            ("learning_e16_belief.json",
+             "Learning: the same without beliefs, 16 epochs, first build",
+             "twice-the-steps-16-epochs-at-the-demos-budget")):
         r = _load(name)
         if not (r and {"uniform", "trace"} <= set(r["methods"])):
             continue
