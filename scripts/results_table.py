@@ -122,10 +122,10 @@ def rows() -> list[str]:
                  if r.get("final_samples") else
                  f"final held-out accuracy GRPO {u['final_acc']:.3f}, trace "
                  f"{t['final_acc']:.3f}")
-        ratios = [r.get(f"trace_{unit}_over_uniform") for unit in ("tokens", "time")]
         if "targets" in r:  # the target is GRPO's final on K samples, with intervals
             reach = _reach_with_intervals(r, t["vs_uniform"]["cost_ratio_interval"])
         else:
+            ratios = [r.get(f"trace_{unit}_over_uniform") for unit in ("tokens", "time")]
             reach = (f"trace reaches GRPO's final accuracy on the mean per-epoch curve "
                      f"({r['target']:.3f}) with {ratios[0]:.2f}x GRPO's generated tokens and "
                      f"{ratios[1]:.2f}x GRPO's training time" if None not in ratios else
