@@ -27,6 +27,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+import trace_lightning  # noqa: E402,F401 - first, so numpy runs its AVX2 paths (numpy_simd)
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import trace_lightning  # noqa: E402,F401 - first, so numpy runs its AVX2 paths (numpy_simd)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from allocation import OnlinePredictor, add_step_args, demo_world  # noqa: E402

@@ -34,9 +34,10 @@ def test_the_build_runs_avx2_kernels_on_one_thread_whatever_the_caller_set(monke
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.delenv("MKL_CBWR", raising=False)
+    monkeypatch.setenv("NPY_DISABLE_CPU_FEATURES", "")  # numpy's own choice, AVX-512 included
     got = call_pinned(kernels)
     assert got == {"cpu_capability": "AVX2", "mkl_cbwr": PINNED_KERNELS["MKL_CBWR"],
-                   "threads": 1, "torch": torch.__version__}
+                   "threads": 1, "torch": torch.__version__, "numpy_avx512": False}
 
 
 def test_an_error_in_the_build_process_is_raised_here_with_its_message():

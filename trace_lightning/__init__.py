@@ -18,9 +18,15 @@ Layout, by part (one small module per idea):
                    FSDP strategies, checkpoints and the policy's export
     collectives, logs, jsonl, hub, models: gathers across ranks, scalars to the loggers,
     JSONL files, policy paths and hub ids, the tiny Qwen3 and tokenizer built here
+    numpy_simd.py  numpy held to its AVX2 paths, so every x86-64 CPU gets the same results
 
 Where to change the task, the allocation rule, the advantage or the engine:
 docs/extending.md.
 """
+
+from trace_lightning.numpy_simd import pin_numpy_simd
+
+# Before numpy loads: its AVX2 paths on every x86-64 CPU, so ties break alike everywhere.
+pin_numpy_simd()
 
 __version__ = "0.1.0"

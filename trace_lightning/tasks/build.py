@@ -14,7 +14,6 @@ import importlib
 import json
 import logging
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from trace_lightning.numpy_simd import NUMPY_AVX512, VARIABLE, numpy_avx512, x86_64
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,23 @@ def exclusive(lock: Path, what: str) -> Iterator[None]:
 
 # The CPU kernels a task's build runs. ATen's vectorised kernels, MKL's BLAS and oneDNN
 # each pick a code path for the CPU they find (AVX2, AVX-512, ...), and each path adds
-# floating-point numbers in its own order; a build trains a policy for hundreds of steps up
-# to a loss threshold, so another order is another policy (an AVX-512 machine and an AVX2
-# one build two different demo worlds from one config). Pinned to the AVX2 paths (every
-# x86-64 CPU since 2013 has them) on one thread, one config builds the same files on all.
+# floating-point numbers in its own order; numpy's paths also break ties in their own order
+# (``numpy_simd``). A build trains a policy for hundreds of steps up to a loss threshold, so
+# another order is another policy (an AVX-512 machine and an AVX2 one build two different
+# demo worlds from one config). Pinned to the AVX2 paths (every x86-64 CPU since 2013 has
+# them) on one thread, one config builds the same files on all. (MKL honours MKL_CBWR on
+# Intel CPUs only; on AMD ones it runs its own path, the same on the AVX2 and the AVX-512
+# machines the demo world was built on.)
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
-                  "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+                  "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                  VARIABLE: NUMPY_AVX512}
 
 
 def pinned_env() -> dict[str, str]:
     """This process's environment with the kernels pinned (``PINNED_KERNELS``) on x86-64;
     elsewhere (an ARM CPU has neither these paths nor MKL) unchanged."""
     env = dict(os.environ)
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    if x86_64():
         env.update(PINNED_KERNELS)
     return env
 
@@ -77,7 +82,7 @@ def kernels() -> dict[str, Any]:
 
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "mkl_cbwr": os.environ.get("MKL_CBWR"), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "numpy_avx512": numpy_avx512()}
 
 
 def call_pinned(fn: Callable[..., Any], /, **kwargs: Any) -> Any:
