@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 
@@ -37,7 +38,8 @@ def test_the_build_runs_avx2_kernels_on_one_thread_whatever_the_caller_set(monke
     monkeypatch.setenv("NPY_DISABLE_CPU_FEATURES", "")  # numpy's own choice, AVX-512 included
     got = call_pinned(kernels)
     assert got == {"cpu_capability": "AVX2", "mkl_cbwr": PINNED_KERNELS["MKL_CBWR"],
-                   "threads": 1, "torch": torch.__version__, "numpy_avx512": False}
+                   "threads": 1, "torch": torch.__version__, "numpy": numpy.__version__,
+                   "numpy_avx512": False}
 
 
 def test_an_error_in_the_build_process_is_raised_here_with_its_message():

@@ -76,13 +76,16 @@ def pinned_env() -> dict[str, str]:
 
 
 def kernels() -> dict[str, Any]:
-    """What this process's torch runs on: its CPU kernels, threads and version (a build's
-    manifest records them)."""
+    """What this process's torch and numpy run on: torch's CPU kernels, threads and version,
+    numpy's version and whether it runs AVX-512 paths (a build's manifest records them; the
+    release matters too, as its sort paths break ties)."""
+    import numpy
     import torch
 
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "mkl_cbwr": os.environ.get("MKL_CBWR"), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "numpy_avx512": numpy_avx512()}
+            "torch": torch.__version__, "numpy": numpy.__version__,
+            "numpy_avx512": numpy_avx512()}
 
 
 def call_pinned(fn: Callable[..., Any], /, **kwargs: Any) -> Any:
