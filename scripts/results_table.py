@@ -136,12 +136,17 @@ def rows() -> list[str]:
             f"{len(r['seeds'])} seeds x {r['epochs']} epochs; {final}; effective ratio "
             f"{u['effective_ratio']:.3f} -> {t['effective_ratio']:.3f}; {reach}",
             name, r, anchor))
-    r = _load("learning_lr.json")
-    if r and "uniform" in r["methods"]:
-        out.append(_row(
-            "Learning: trace and the oracle at 2.5x the learning rate, GRPO at the demo's, "
-            "first build", _own_rates(r), "learning_lr.json", r,
-            "a-larger-learning-rate-25x-the-demos"))
+    # Other methods against GRPO, each at its own overrides where it has them.
+    for name, what, anchor in (
+            ("learning_lr.json",
+             "Learning: trace and the oracle at 2.5x the learning rate, GRPO at the demo's, "
+             "first build", "a-larger-learning-rate-25x-the-demos"),
+            ("learning_e16_oracle.json",
+             "Learning: the oracle against GRPO, twice the demo's steps (16 epochs), first build",
+             "the-oracle-for-16-epochs")):
+        r = _load(name)
+        if r and "uniform" in r["methods"]:
+            out.append(_row(what, _own_rates(r), name, r, anchor))
     r = _load("learning_64.json")
     if r and "uniform" in r["methods"]:
         u = r["methods"]["uniform"]
