@@ -142,7 +142,7 @@ def rows() -> list[str]:
              "Learning: trace and the oracle at 2.5x the learning rate, GRPO at the demo's, "
              "first build", "a-larger-learning-rate-25x-the-demos"),
             ("learning_e16_oracle.json",
-             "Learning: the oracle against GRPO, twice the demo's steps (16 epochs), first build",
+             "Learning: trace and the oracle against GRPO, 16 epochs, first build, an AVX-512 CPU",
              "the-oracle-for-16-epochs")):
         r = _load(name)
         if r and "uniform" in r["methods"]:
