@@ -404,3 +404,13 @@ def test_prepare_builds_once_and_setup_reads_the_sets(tmp_path):
     CalcData(**{**kwargs, "seed": 5}).prepare(str(out / "model"), fitting=True)  # rebuilt
     assert json.loads((out / "manifest.json").read_text())["settings"]["seed"] == 5
     assert not list(tmp_path.glob("calc/model.*"))  # no staging or set-aside folder left
+
+
+def test_an_agent_loop_describing_prompts_needs_a_task_that_describes_them(task):
+    from trace_lightning.rollout.agent import AgentLoop
+    from trace_lightning.rollout.engines.base import SamplingConfig
+    with pytest.raises(ValueError, match=r"--model.featuriser.task_features asks for the task's "
+                                         r"description of each prompt, but CalcTask gives none"):
+        AgentLoop(None, task, SamplingConfig(), describe=True)
+    tree = AgentLoop(None, task, SamplingConfig()).new_tree(Example("p", "1 + 2", ["3"]))
+    assert tree.prompt_features == []

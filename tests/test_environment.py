@@ -359,3 +359,69 @@ def test_env_config_refuses_what_the_environment_would_when_configured(setting, 
     with pytest.raises(ValueError, match=message):
         EnvConfig(**setting)
     EnvConfig(instruction=None)  # None: Search-R1's instruction, which has {question}
+
+
+# ---- describing a prompt to the predictor -------------------------------------------------
+
+class Listed:
+    """A retriever that answers each query with the titles listed for it, best first."""
+
+    def __init__(self, titles: dict[str, list[str]]):
+        self.titles, self.calls = titles, 0
+
+    def search(self, queries, topk):
+        self.calls += 1
+        return [[Passage(t, t, "") for t in self.titles.get(q, [])] for q in queries]
+
+
+def test_prompt_features_by_hand(tokenizer):
+    from trace_lightning.tasks.base import Example
+    from trace_lightning.tasks.search_qa.environment import PROMPT_FEATURES
+    retriever = Listed({
+        "Ama": ["Ama", "Amabel"],            # shown, first
+        "Bo": ["Boris", "Bo Len", "Bo"],     # shown (third of topk 3), not first
+        "Cid": ["Cid Ola", "Cido", "Cidar", "Cid"],  # the fourth: not shown at topk 3
+        "Who met Ama and Cid?": ["Cid", "Ama Ola", "Bo"],
+    })
+    env = SearchEnvironment(tokenizer, retriever, topk=3)
+    ex = Example("q1", "Who met Ama and Cid?", ["x"], supporting_titles=["Ama", "Bo", "Cid"])
+    # shown: Ama, Bo (2 of 3); first: Ama (1 of 3); the question's search shows Bo and Cid
+    assert env.prompt_features(ex) == pytest.approx([2 / 3, 1 / 3, 2 / 3])
+    assert len(env.prompt_features(ex)) == len(PROMPT_FEATURES)
+    assert retriever.calls == 1  # the second call was cached
+    # no supporting titles (NQ): nothing to find, zeros, no retriever call
+    assert env.prompt_features(Example("q2", "Who?", ["x"])) == [0.0, 0.0, 0.0]
+    assert retriever.calls == 1
+    with pytest.raises(RuntimeError, match="without a retriever"):
+        SearchEnvironment(tokenizer, None).prompt_features(ex)
+
+
+def test_prompt_features_with_bm25_match_searches_one_at_a_time(env, retriever):
+    from trace_lightning.tasks.base import Example
+    titles = ["Scott Derrickson", "Ed Wood", "Tyler Bates"]
+    ex = Example("5a8b57f25542995d1e6f1371", QUESTION, ["yes"], dataset="hotpotqa",
+                 supporting_titles=titles)
+    got = env.prompt_features(ex)
+    # reference: each search on its own, read by hand
+    shown = first = asked = 0
+    (by_question,) = retriever.search([QUESTION], env.topk)
+    for t in titles:
+        (passages,) = retriever.search([t], env.topk)
+        shown += t in [p.title for p in passages[:env.topk]]
+        first += passages[0].title == t
+        asked += t in [p.title for p in by_question[:env.topk]]
+    assert got == pytest.approx([shown / 3, first / 3, asked / 3])
+    assert 0 < got[0]  # a title's own search finds some of them in this corpus
+
+
+def test_an_agent_loop_gives_new_trees_their_prompt_features_when_asked(tokenizer):
+    from trace_lightning.rollout.agent import AgentLoop
+    from trace_lightning.rollout.engines.base import SamplingConfig
+    from trace_lightning.tasks.base import Example
+    from trace_lightning.tree import RolloutTree
+    env = SearchEnvironment(tokenizer, Listed({"Ama": ["Ama"], "Who is Ama?": ["Bo"]}), topk=2)
+    ex = Example("q", "Who is Ama?", ["x"], supporting_titles=["Ama"])
+    tree = AgentLoop(None, env, SamplingConfig(), describe=True).new_tree(ex)
+    assert tree.prompt_features == [1.0, 1.0, 0.0]
+    assert RolloutTree.from_dict(tree.to_dict()).prompt_features == [1.0, 1.0, 0.0]
+    assert AgentLoop(None, env, SamplingConfig()).new_tree(ex).prompt_features == []

@@ -356,7 +356,8 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     torch._C.set_num_threads(2)
     try:
         out = cli(["fit", *demo_args(demo_dir, tmp_path, 1,
-                                     "--model.featuriser.confidence=true")])
+                                     "--model.featuriser.confidence=true",
+                                     "--model.featuriser.task_features=3")])
         after = torch.get_num_threads()
     finally:
         torch._C.set_num_threads(before)
@@ -365,10 +366,18 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     assert out.datamodule.sync_diff < 1e-3
     # the predictor reads the policy's confidence after its hidden state (64 wide): a root
     # has no turns (zeros); a turn's mean log-prob, from vLLM's sampled log-probs, is below 0
+    # and then the task's description of the prompt: how findable its documents are, which
+    # the demo world's retriever gives again for the same question
     replay = out.model.replay.sample_all()
-    assert replay.features.shape[1] == out.model.predictor.feature_mean.shape[0] == 64 + 4
-    assert (replay.features[replay.depth == 0, 64:] == 0).all()
+    assert replay.features.shape[1] == out.model.predictor.feature_mean.shape[0] == 64 + 4 + 3
+    assert (replay.features[replay.depth == 0, 64:68] == 0).all()
     trees = [t for f in sorted((tmp_path / "trees").glob("*.jsonl")) for t in read_jsonl(f)]
+    env = out.datamodule.task.environment(out.datamodule.tokenizer)
+    examples = {e.id: e for e in out.datamodule.task.train_examples}
+    for t in trees:
+        assert t.prompt_features == env.prompt_features(examples[t.tree_id])
+    described = {tuple(torch.tensor(t.prompt_features).tolist()) for t in trees}  # float32
+    assert {tuple(f) for f in replay.features[:, 68:].tolist()} <= described
     conf = confidence_features(trees)
     turns = [conf[(t.tree_id, n.id)] for t in trees for n in t.nodes[1:]]
     assert turns and all(c[0] < 0 for c in turns)

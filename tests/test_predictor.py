@@ -159,11 +159,42 @@ def test_bag_of_tokens_features():
     assert bag_node_features(trees, 16).keys() == feats.keys()
 
 
+def test_task_features_follow_every_node_of_their_prompt(policy):
+    trees = branched_trees()
+    trees[0].prompt_features, trees[1].prompt_features = [0.5, 1.0, 0.0], [0.0, 0.25, 1.0]
+    fz = Featuriser("hidden", batch_tokens=40, task_features=3)
+    assert fz.feature_dim(policy.config) == 32 + 3
+    feats, hidden = fz.nodes(policy, trees), node_features(policy, trees, batch_tokens=40)
+    for tree in trees:
+        for n in tree.nodes:
+            k = (tree.tree_id, n.id)
+            torch.testing.assert_close(feats[k], torch.cat(
+                [hidden[k], torch.tensor(tree.prompt_features)]))
+    # after the confidence numbers when both are on; known features come back unchanged
+    both = Featuriser("bag_of_tokens", buckets=16, confidence=True, task_features=3)
+    assert both.feature_dim(None) == 16 + CONFIDENCE_DIM + 3
+    f = both.nodes(None, trees)[("t", 2)]
+    torch.testing.assert_close(f[16:16 + CONFIDENCE_DIM], confidence_features(trees)[("t", 2)])
+    torch.testing.assert_close(f[-3:], torch.tensor([0.5, 1.0, 0.0]))
+    marker = torch.full((16 + CONFIDENCE_DIM + 3,), 7.0)
+    assert both.nodes(None, trees, known={("t", 1): marker})[("t", 1)] is marker
+    # a tree with another count (a task that describes no prompts: none) names the flag
+    trees[1].prompt_features = []
+    with pytest.raises(ValueError, match=r"tree bare carries 0 prompt features but "
+                                         r"--model.featuriser.task_features is 3"):
+        fz.nodes(policy, trees)
+    with pytest.raises(ValueError, match="no trees to read"):
+        fz.prompts(policy, [trees[0].root.token_ids])
+
+
 def test_featuriser_rejects_unknown_kind():
     with pytest.raises(ValueError, match="expected one of"):
         Featuriser("logits")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="confidence.*true or false"):
         Featuriser(confidence="yes")  # type: ignore[arg-type]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="task_features .* must be a count >= 0"):
+            Featuriser(task_features=bad)  # type: ignore[arg-type]
 
 
 def test_confidence_of_by_hand():

@@ -57,7 +57,7 @@ def test_the_datamodule_names_what_a_module_lacks():
     trainer = SimpleNamespace(lightning_module=NotALearner())
     with pytest.raises(TypeError, match=r"implements trace_lightning.learner.Learner .* "
                                         r"NotALearner lacks predictor_nodes_seen, "
-                                        r"sync_to_engine, predict_trees, receive_step, "
+                                        r"reads_prompt_features, sync_to_engine, predict_trees, receive_step, "
                                         r"check_checkpoint_predictor"):
         learner_of(trainer)
 

@@ -262,4 +262,8 @@ def test_to_dict_is_plain_json():
     tree.compute_values()
     d = json.loads(json.dumps(tree.to_dict()))
     assert RolloutTree.from_dict(d) == tree
-    assert set(d) == {"tree_id", "question", "answers", "dataset", "nodes", "budget"}
+    assert set(d) == {"tree_id", "question", "answers", "dataset", "nodes", "budget",
+                      "prompt_features"}
+    # a tree written before prompts were described reads back with none
+    del d["prompt_features"]
+    assert RolloutTree.from_dict(d) == tree

@@ -425,7 +425,8 @@ class TraceDataModule(L.LightningDataModule):
         self.allocator.start_step(epoch, rank)
         bar = self._progress_bar(f"Rollout {epoch}", self.allocator.leaves_per_step // world)
         loop = AgentLoop(self.engine, self.task.environment(self.tokenizer), self.sampling,
-                         on_leaves=bar.update if bar is not None else None)
+                         on_leaves=bar.update if bar is not None else None,
+                         describe=module.reads_prompt_features)
 
         def learned(trees: list[RolloutTree]) -> None:
             # the featuriser's forward passes run on the process's threads, not the engine's

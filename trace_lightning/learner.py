@@ -10,7 +10,9 @@ it), never through attributes looked up on ``trainer.lightning_module``:
   many nodes the predictor has learnt from (``predictor_nodes_seen``: the cold start);
 - train the predictor on the step's finished trees (``receive_step``);
 - say whether a checkpoint's predictor fits this run (``check_checkpoint_predictor``),
-  before the engine starts.
+  before the engine starts;
+- say whether its predictions read the task's description of each prompt
+  (``reads_prompt_features``: then new trees carry ``Task.prompt_features``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Learner(Protocol):
     """The policy and predictor's side of the RL step (see the module docstring)."""
 
     predictor_nodes_seen: int
+    reads_prompt_features: bool
 
     def sync_to_engine(self, engine, probe: list[list[int]], atol: float,
                        any_failed: Callable[[bool], bool] | None = None) -> float:
@@ -48,8 +51,9 @@ def learner_of(trainer) -> Learner:
     """The trainer's LightningModule as a ``Learner``; a TypeError naming what it lacks."""
     module = trainer.lightning_module
     if not isinstance(module, Learner):
-        missing = [name for name in ("predictor_nodes_seen", "sync_to_engine", "predict_trees",
-                                     "receive_step", "check_checkpoint_predictor")
+        missing = [name for name in ("predictor_nodes_seen", "reads_prompt_features",
+                                     "sync_to_engine", "predict_trees", "receive_step",
+                                     "check_checkpoint_predictor")
                    if not hasattr(module, name)]
         raise TypeError(f"TraceDataModule needs a LightningModule that implements "
                         f"trace_lightning.learner.Learner (as TraceModule does); "

@@ -96,16 +96,20 @@ class RolloutTree:
     dataset: str = ""
     nodes: list[Node] = field(default_factory=list)
     budget: Budget = field(default_factory=Budget)
+    # the task's description of the prompt (``Task.prompt_features``), the same for every
+    # node; empty unless the featuriser asks for it (``Featuriser(task_features=...)``)
+    prompt_features: list[float] = field(default_factory=list)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def new(cls, tree_id: str, question: str, answers: list[str], prompt_ids: list[int],
-            prompt_text: str = "", dataset: str = "") -> RolloutTree:
+            prompt_text: str = "", dataset: str = "",
+            prompt_features: list[float] | None = None) -> RolloutTree:
         root = Node(id=0, parent=None, depth=0, rollout=-1, token_ids=list(prompt_ids),
                     logprobs=[0.0] * len(prompt_ids), policy_mask=[0] * len(prompt_ids),
                     text=prompt_text)
         return cls(tree_id=tree_id, question=question, answers=list(answers), dataset=dataset,
-                   nodes=[root])
+                   nodes=[root], prompt_features=list(prompt_features or []))
 
     @property
     def root(self) -> Node:

@@ -15,6 +15,11 @@ read; how sure it was of what it wrote is a separate signal (a policy that hesit
 query or its answer fails more often), which the hidden state at the prefix's last token
 need not carry.
 
+With ``task_features=N`` every vector ends with the task's N numbers describing the node's
+prompt (``RolloutTree.prompt_features``, from ``Task.prompt_features``; search QA: how findable
+its supporting documents are): what the corpus makes hard is beyond the policy's features of
+the text.
+
 Depth is not part of the feature vector; it enters through the predictor's depth embedding.
 """
 
@@ -277,10 +282,12 @@ class Featuriser:
         confidence: append the policy's confidence in its own turns along the prefix
             (``confidence_features``, 4 numbers from the sampled log-probs) to each vector;
             candidate prompts, which have no turns yet, get zeros there as roots do.
+        task_features: append the task's description of each node's prompt
+            (``RolloutTree.prompt_features``), this many numbers (search QA: 3); 0: none.
     """
 
     def __init__(self, kind: FeaturiserKind = "hidden", batch_tokens: int = 16384,
-                 buckets: int = 256, confidence: bool = False) -> None:
+                 buckets: int = 256, confidence: bool = False, task_features: int = 0) -> None:
         if kind not in ("hidden", "bag_of_tokens"):
             raise ValueError(f"featuriser kind {kind!r}: expected one of 'hidden', "
                              f"'bag_of_tokens'")
@@ -290,15 +297,21 @@ class Featuriser:
             raise ValueError(f"featuriser buckets ({buckets}) must be >= 1")
         if not isinstance(confidence, bool):
             raise ValueError(f"featuriser confidence ({confidence!r}) must be true or false")
+        if isinstance(task_features, bool) or not isinstance(task_features, int) \
+                or task_features < 0:
+            raise ValueError(f"featuriser task_features ({task_features!r}) must be a count >= 0: "
+                             f"the numbers the task describes each prompt with (search QA: 3), "
+                             f"or 0 for none")
         self.kind = kind
         self.batch_tokens = batch_tokens
         self.buckets = buckets
         self.confidence = confidence
+        self.task_features = task_features
 
     def feature_dim(self, config: PretrainedConfig | None) -> int:
         """The width of a feature vector (``hidden``: the policy's, from its ``config``)."""
         width = config.get_text_config().hidden_size if self.kind == "hidden" else self.buckets
-        return width + (CONFIDENCE_DIM if self.confidence else 0)
+        return width + (CONFIDENCE_DIM if self.confidence else 0) + self.task_features
 
     def nodes(self, policy: PreTrainedModel | None, trees: list[RolloutTree],
               known: Mapping[NodeKey, Tensor] | None = None) -> dict[NodeKey, Tensor]:
@@ -312,10 +325,28 @@ class Featuriser:
         if self.confidence:
             conf = confidence_features(trees)
             out = {k: v if k in known else torch.cat([v, conf[k]]) for k, v in out.items()}
+        if self.task_features:
+            described = {t.tree_id: self._described(t) for t in trees}
+            out = {k: v if k in known else torch.cat([v, described[k[0]]])
+                   for k, v in out.items()}
         return out
+
+    def _described(self, tree: RolloutTree) -> Tensor:
+        """The task's description of ``tree``'s prompt: (task_features,)."""
+        if len(tree.prompt_features) != self.task_features:
+            raise ValueError(
+                f"tree {tree.tree_id} carries {len(tree.prompt_features)} prompt features but "
+                f"--model.featuriser.task_features is {self.task_features}: set it to the "
+                f"number the task gives (search QA: 3), or 0 where the task describes no "
+                f"prompts")
+        return torch.tensor(tree.prompt_features, dtype=torch.float32)
 
     def prompts(self, policy: PreTrainedModel | None, prompt_ids: list[list[int]]) -> Tensor:
         """Features of candidate prompts: (P, D)."""
+        if self.task_features:
+            raise ValueError("Featuriser.prompts has no trees to read the task's description "
+                             "from; with task_features, featurise candidates as bare trees "
+                             "(nodes)")
         if self.kind == "hidden":
             feats = prompt_features(policy, prompt_ids, self.batch_tokens)  # (P, H)
         else:

@@ -50,11 +50,17 @@ class AgentLoop:
         sampling: sampling settings of every turn (stop strings come from the task).
         on_leaves: called after every turn with the number of trajectories it finished
             (progress bars).
+        describe: give every new tree the task's description of its prompt
+            (``Task.prompt_features``), for a featuriser that reads it.
     """
 
     def __init__(self, engine: RolloutEngine, env: Task, sampling: SamplingConfig,
-                 on_leaves: Callable[[int], None] | None = None):
-        self.engine, self.env = engine, env
+                 on_leaves: Callable[[int], None] | None = None, describe: bool = False):
+        if describe and not callable(getattr(env, "prompt_features", None)):
+            raise ValueError(f"--model.featuriser.task_features asks for the task's description "
+                             f"of each prompt, but {type(env).__name__} gives none (it has no "
+                             f"prompt_features): set --model.featuriser.task_features 0")
+        self.engine, self.env, self.describe = engine, env, describe
         self.sampling = replace(sampling, stop=list(env.stop))
         self.on_leaves = on_leaves  # told how many trajectories each turn finished
         self.engine_calls = 0  # turns run so far: one batched engine call each
@@ -69,7 +75,9 @@ class AgentLoop:
                 f"raise it (and --data.engine.max_model_len) or shorten "
                 f"--data.env.instruction")
         return RolloutTree.new(example.id, example.question, example.answers, ids, text,
-                               dataset=example.dataset)
+                               dataset=example.dataset,
+                               prompt_features=(self.env.prompt_features(example)
+                                                if self.describe else None))
 
     def expand(self, starts: Sequence[Start], seed: int,
                then: Callable[[list[RolloutTree]], Sequence[Start]] | None = None,

@@ -68,6 +68,11 @@ class Task(Protocol):
         max_seq_tokens: a trajectory's tokens before it is cut.
         calls_metric: the name under which validation counts a trajectory's tool calls
             (``searches`` for search QA).
+
+    A task may also describe a prompt to the success predictor before any rollout:
+    ``prompt_features(example) -> list[float]``, a fixed number of numbers per prompt that
+    the policy's own features cannot hold (search QA: how findable its supporting documents
+    are). ``--model.featuriser.task_features`` reads them; a task without it gives none.
     """
 
     tokenizer: Any

@@ -322,6 +322,11 @@ class TraceModule(L.LightningModule):
         self._last_sync = (engine, probe, synced.policy_logprobs)
         return synced.diff
 
+    @property
+    def reads_prompt_features(self) -> bool:
+        """Whether the featuriser appends the task's description of each prompt."""
+        return self.featuriser.task_features > 0
+
     @torch.no_grad()
     def predict_trees(self, trees: list[RolloutTree]) -> None:
         """Set ``node.prediction`` on every root and non-leaf turn of ``trees``.

@@ -33,6 +33,8 @@ SEARCH_R1_INSTRUCTION = (
     "<answer> Beijing </answer>. Question: {question}\n"
 )
 STOP_STRINGS = ["</search>", "</answer>"]
+# what ``SearchEnvironment.prompt_features`` says of a prompt (--model.featuriser.task_features)
+PROMPT_FEATURES = ("title_search_shows", "title_search_first", "question_search_shows")
 _TAG_RE = re.compile(r"</?(think|search|answer|information)>")
 
 
@@ -151,6 +153,7 @@ class SearchEnvironment:
         self.instruction, self.use_chat_template = instruction, use_chat_template
         self.reward_kind, self.f1_threshold = reward, f1_threshold
         check_stop_strings(tokenizer, self.stop)
+        self._described: dict[tuple[str, str], list[float]] = {}  # prompt_features' cache
         self._obs_open = self._encode("\n\n<information>")
         self._obs_close = self._encode("</information>\n\n")
 
@@ -186,6 +189,38 @@ class SearchEnvironment:
             body = self._encode(format_passages(passages[: self.topk]))[: self.max_obs_tokens]
             ids = self._obs_open + body + self._obs_close
             out.append((ids, self.tokenizer.decode(ids)))
+        return out
+
+    def prompt_features(self, example: Example) -> list[float]:
+        """How findable the documents ``example``'s answer passes through
+        (``supporting_titles``) are with the retriever the agent searches, before any rollout:
+        ``PROMPT_FEATURES``, each the share of those documents that
+
+            [a search for the document's own title shows among its ``topk`` passages,
+             that search ranks first,
+             a search for the question itself shows]
+
+        An agent fails where the document it needs is crowded out by others that share its
+        words (a namesake's, a distractor's); the policy's features of the prompt cannot see
+        the corpus. Zeros for an example without supporting titles. One retriever call per
+        prompt, cached."""
+        key = (example.dataset, example.id)
+        if key in self._described:
+            return self._described[key]
+        titles = list(example.supporting_titles)
+        out = [0.0] * len(PROMPT_FEATURES)
+        if titles:
+            if self.retriever is None:
+                raise RuntimeError("this SearchEnvironment was built without a retriever "
+                                   "(prompts only); pass one to describe prompts")
+            queries = [q[: self.max_query_chars] for q in titles + [example.question]]
+            *by_title, by_question = self.retriever.search(queries, self.topk)
+            shown = [t in {p.title for p in r[: self.topk]} for t, r in zip(titles, by_title)]
+            first = [bool(r) and r[0].title == t for t, r in zip(titles, by_title)]
+            asked = {p.title for p in by_question[: self.topk]}
+            out = [sum(shown) / len(titles), sum(first) / len(titles),
+                   sum(t in asked for t in titles) / len(titles)]
+        self._described[key] = out
         return out
 
     def score(self, final: Turn, answers: Sequence[str]) -> tuple[float, dict[str, float]]:
