@@ -14,7 +14,7 @@ import numpy
 import pytest
 import torch
 
-from trace_lightning.tasks.build import PINNED_KERNELS, call_pinned, kernels
+from trace_lightning.tasks.build import PINNED_KERNELS, call_pinned, cpu_vendor, kernels
 
 X86_AVX2 = (platform.machine().lower() in ("x86_64", "amd64")
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
@@ -39,7 +39,23 @@ def test_the_build_runs_avx2_kernels_on_one_thread_whatever_the_caller_set(monke
     got = call_pinned(kernels)
     assert got == {"cpu_capability": "AVX2", "mkl_cbwr": PINNED_KERNELS["MKL_CBWR"],
                    "threads": 1, "torch": torch.__version__, "numpy": numpy.__version__,
-                   "numpy_avx512": False}
+                   "numpy_avx512": False, "cpu_vendor": _vendor()}
+
+
+def _vendor() -> str | None:
+    """The vendor_id line of /proc/cpuinfo, read here by hand."""
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return None
+    found = [line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")]
+    return found[0] if found else None
+
+
+def test_the_cpu_vendor_is_what_linux_says():
+    assert cpu_vendor() == _vendor()
+    if platform.system() == "Linux" and platform.machine() == "x86_64":
+        assert cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "HygonGenuine")
 
 
 def test_an_error_in_the_build_process_is_raised_here_with_its_message():

@@ -58,9 +58,10 @@ def exclusive(lock: Path, what: str) -> Iterator[None]:
 # (``numpy_simd``). A build trains a policy for hundreds of steps up to a loss threshold, so
 # another order is another policy (an AVX-512 machine and an AVX2 one build two different
 # demo worlds from one config). Pinned to the AVX2 paths (every x86-64 CPU since 2013 has
-# them) on one thread, one config builds the same files on all. (MKL honours MKL_CBWR on
-# Intel CPUs only; on AMD ones it runs its own path, the same on the AVX2 and the AVX-512
-# machines the demo world was built on.)
+# them) on one thread, one config builds the same files on the AMD CPUs measured, AVX2 and
+# AVX-512. (MKL honours MKL_CBWR on Intel CPUs only; on AMD ones it runs a path of its own,
+# and an Intel AVX-512 CPU, pinned alike, built another demo world: docs/results.md, "One
+# world on every CPU". The manifest records the vendor.)
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
                   "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                   VARIABLE: NUMPY_AVX512}
@@ -75,17 +76,31 @@ def pinned_env() -> dict[str, str]:
     return env
 
 
+def cpu_vendor() -> str | None:
+    """The CPU's vendor as Linux names it (``GenuineIntel``, ``AuthenticAMD``), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def kernels() -> dict[str, Any]:
     """What this process's torch and numpy run on: torch's CPU kernels, threads and version,
     numpy's version and whether it runs AVX-512 paths (a build's manifest records them; the
-    release matters too, as its sort paths break ties)."""
+    release matters too, as its sort paths break ties), and the CPU's vendor (MKL takes a
+    path of its own on a CPU that is not Intel's, whatever ``MKL_CBWR`` asks)."""
     import numpy
     import torch
 
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "mkl_cbwr": os.environ.get("MKL_CBWR"), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "numpy": numpy.__version__,
-            "numpy_avx512": numpy_avx512()}
+            "numpy_avx512": numpy_avx512(), "cpu_vendor": cpu_vendor()}
 
 
 def call_pinned(fn: Callable[..., Any], /, **kwargs: Any) -> Any:

@@ -14,7 +14,7 @@ the same settings and every file exists; any other setting rebuilds everything, 
 model trained in ``model.partial/`` and swapped in by renames (``export.replace_dir``) only
 once it is complete, under the search demo's build lock (one builder per ``out_dir``), in a
 process with pinned CPU kernels (``tasks.build.call_pinned``: the same policy on every
-x86-64 CPU).
+x86-64 CPU of one vendor).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class CalcData(TaskData):
                 log.info("calc task in %s is up to date (built by another process)",
                          self.out_dir)
                 return
-            # the build runs in a process with pinned CPU kernels: the same policy on any CPU
+            # the build runs in a process with pinned CPU kernels: one policy per CPU vendor
             call_pinned(build_calc, init=self.init_args(), settings=settings)
 
     def setup(self, fitting: bool, train_limit: int | None, processes: int,

@@ -22,7 +22,8 @@ then; only the last step (milliseconds) removes the manifest, writes the data, s
 old world complete; one during the swap leaves no manifest, so the next call rebuilds.
 
 The build runs in a process of its own with pinned CPU kernels (``tasks.build.call_pinned``):
-one config builds the same world, warm-started policy included, on every x86-64 CPU.
+one config builds the same world, warm-started policy included, on every x86-64 CPU of one
+vendor (MKL runs a path of its own on AMD CPUs: an Intel CPU builds another world).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
         if not force and _matches(paths, settings):
             log.info("demo world: %s is up to date (built by another process)", paths.root)
             return paths
-        # the build runs in a process with pinned CPU kernels: the same world on any CPU
+        # the build runs in a process with pinned CPU kernels: one world per CPU vendor
         call_pinned(build_demo, out_dir=str(paths.root), settings=settings,
                     warm_start_threads=warm_start_threads)
         return paths
