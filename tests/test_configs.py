@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 OVERLAYS = {"demo_uniform.yaml", "demo_random_tree.yaml", "demo_prompt.yaml", "demo_prefix.yaml",
             "demo_oracle.yaml", "demo_oracle_roots.yaml", "demo_oracle_prefixes.yaml",
-            "demo_gpu.yaml", "demo_described.yaml"}
+            "demo_gpu.yaml"}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -32,9 +32,7 @@ def test_config_parses(config, capsys):
     assert exit_.value.code in (0, None)
     resolved = capsys.readouterr().out
     assert "allocator:" in resolved and "policy_path:" in resolved
-    if config.name == "demo_described.yaml":  # trace, with the task's prompt features
-        assert re.search(r"kind: trace\b", resolved) and "task_features: 3" in resolved
-    elif config.name.startswith("demo_") and config.name != "demo_gpu.yaml":
+    if config.name.startswith("demo_") and config.name != "demo_gpu.yaml":
         kind = config.stem.removeprefix("demo_")
         if kind.startswith("oracle_"):  # the oracle on one stage's nodes
             kind, nodes = kind.split("_")

@@ -27,7 +27,7 @@ from trace_lightning.allocation.predictor import (
     training_batch,
     weighted_squared_error,
 )
-from trace_lightning.tree import RolloutTree
+from trace_lightning.tree import RolloutTree, write_jsonl
 
 A, B, SEP, EOP = 1, 2, 3, 4  # key tokens, end of observation, end of prompt; filler 8..63
 
@@ -700,3 +700,44 @@ def test_prefix_choices_split_the_bare_prefixes_by_hand(tmp_path):
     assert line["by_depth"]["depths"]["1"]["continued"] == 1
     with pytest.raises(SystemExit, match="no .jsonl files in .*--data.trees_dir"):
         script.main([str(tmp_path / "missing")])
+
+
+# ---- the task's description of prompts (scripts/prompt_features.py) ----------------------
+def test_prompt_features_script_ranks_each_number_against_success_by_hand(tmp_path):
+    import importlib.util
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "prompt_features.py"
+    spec = importlib.util.spec_from_file_location("prompt_features", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    described = {"a": [1.0, 1.0, 0.5], "b": [1.0, 0.0, 1.0]}
+    env = SimpleNamespace(prompt_features=lambda e: described[e.id])
+    examples = {k: SimpleNamespace(id=k) for k in described}
+    trees = []
+    for tree_id, rewards in [("a", [0.0, 0.0, 0.0, 1.0]), ("a", [1.0, 1.0, 1.0, 0.0]),
+                             ("b", [1.0, 1.0])]:
+        t = RolloutTree.new(tree_id, "q", ["x"], [5, EOP])
+        for i, r in enumerate(rewards):
+            t.add_child(0, rollout=i, token_ids=[9], logprobs=[-0.1], policy_mask=[1],
+                        finished=True, reward=r)
+        t.compute_values()
+        trees.append(t)
+    got = script.describe(trees, env, examples)
+    # successes 0.25, 0.75, 1.0 (ranks 1, 2, 3); title_search_first 1, 1, 0 (ranks 2.5, 2.5,
+    # 1): centred (0.5, 0.5, -1) against (-1, 0, 1), r = -1.5 / sqrt(1.5 * 2) = -0.866;
+    # question_search_shows 0.5, 0.5, 1: +0.866; title_search_shows is constant: none
+    assert got["trees"] == 3 and got["prompts"] == 2 and got["distinct_descriptions"] == 2
+    assert got["success"] == pytest.approx(2.0 / 3)
+    f = got["features"]
+    assert f["title_search_shows"] == {"distinct_values": 1, "rank_correlation": None}
+    assert f["title_search_first"]["rank_correlation"] == pytest.approx(-(3 ** 0.5) / 2)
+    assert f["question_search_shows"]["rank_correlation"] == pytest.approx(3 ** 0.5 / 2)
+    with pytest.raises(SystemExit, match="not among the world's training questions"):
+        script.describe(trees, env, {"a": examples["a"]})
+    with pytest.raises(SystemExit, match=r"no \.jsonl files in"):
+        script.main([str(tmp_path)])
+    write_jsonl(trees, tmp_path / "epoch_0_rank_0.jsonl")
+    with pytest.raises(SystemExit, match=r"--world .* has no train_corpus.jsonl"):
+        script.main([str(tmp_path), "--world", str(tmp_path / "nowhere")])
