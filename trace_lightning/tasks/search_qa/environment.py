@@ -202,8 +202,9 @@ class SearchEnvironment:
 
         An agent fails where the document it needs is crowded out by others that share its
         words (a namesake's, a distractor's); the policy's features of the prompt cannot see
-        the corpus. Zeros for an example without supporting titles. One retriever call per
-        prompt, cached."""
+        the corpus. Zeros for an example without supporting titles. One batched retriever
+        call per prompt, kept for this environment's life (a training step builds its own, so
+        a prompt is described once per step it is a candidate in)."""
         key = (example.dataset, example.id)
         if key in self._described:
             return self._described[key]
