@@ -1,7 +1,8 @@
 """Plain references the tests check the library against (tests only).
 
-- Advantages: ``grpo_loop``, ``tree_grpo_loop``, ``treepo_loop``, ``segment_loop``, plain
-  loops over the leaves for the vectorised kinds of ``trace_lightning.math.advantage``.
+- Advantages: ``grpo_loop``, ``tree_grpo_loop``, ``treepo_loop``, ``segment_loop``,
+  ``branch_grpo_loop``, plain loops over the leaves for the vectorised kinds of
+  ``trace_lightning.math.advantage``.
 - Prefix allocation: ``spread_prefix_budget`` (both phases of stage 2 over all prompts at
   once, on ``(r, p)`` pairs) and ``plan_prefixes`` (both phases of an ``Allocator``'s
   ``PrefixPlanner`` over finished trees at once, as a ``PrefixPlan``): the one-shot counts
@@ -96,6 +97,25 @@ def segment_loop(trees: Sequence[RolloutTree]) -> dict[LeafKey, list[float]]:
         for leaf in t.leaves():
             per_node = {n.id: float(leaf.reward) - t.nodes[n.parent].value
                         for n in t.path(leaf.id)[1:]}
+            out[(t.tree_id, leaf.id)] = _spread(t, leaf.id, per_node)
+    return out
+
+
+def branch_grpo_loop(trees: Sequence[RolloutTree], norm_by_std: bool = True,
+                     eps: float = EPS) -> dict[LeafKey, list[float]]:
+    """Reference for ``advantage.branch_grpo``: each turn's group found by walking up from its
+    parent to the first node with two or more leaves below (leaves found by walking down)."""
+    _check_trees(trees)
+    out = {}
+    for t in trees:
+        for leaf in t.leaves():
+            per_node = {}
+            for n in t.path(leaf.id)[1:]:
+                b = t.nodes[n.parent]
+                while b.parent is not None and len(_leaves_below(t, b.id)) < 2:
+                    b = t.nodes[b.parent]
+                per_node[n.id] = _normalize_one(_leaves_below(t, b.id), float(leaf.reward),
+                                                norm_by_std, eps)
             out[(t.tree_id, leaf.id)] = _spread(t, leaf.id, per_node)
     return out
 

@@ -127,6 +127,80 @@ def test_segment_by_hand():
     np.testing.assert_allclose(got[("a", 4)], [0, 0, -1 / 3, -1 / 3], rtol=RTOL, atol=ATOL)
 
 
+def test_branch_grpo_by_hand():
+    # hand_tree, rewards {n2: 1, n3: 0, n4: 0}. Turn n1 (parent root, 3 leaves): the prompt
+    # group, PROMPT (+1.154700 in n2's sequence, -0.577350 in n3's). Turns n2, n3 (parent n1,
+    # 2 leaves): the branch {1, 0}, SUB (+-0.707107). Turn n4 (parent root): PROMPT[4].
+    # n2 [1, 2 | 3, 4, 5 | 6, 7]; n3 [1, 2 | 3, 4, 5 | 8]; n4 [1, 2 | 9, 10].
+    got = adv.branch_grpo([hand_tree()])
+    np.testing.assert_allclose(got[("a", 2)], [0, 0, PROMPT[2], PROMPT[2], 0, SUB[2], SUB[2]],
+                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got[("a", 3)], [0, 0, PROMPT[3], PROMPT[3], 0, SUB[3]],
+                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got[("a", 4)], [0, 0, PROMPT[4], PROMPT[4]], rtol=RTOL, atol=ATOL)
+    # Centred only: prompt 1 - 1/3 = 2/3 and -1/3; branch 1 - 1/2 = +-1/2.
+    got = adv.branch_grpo([hand_tree()], norm_by_std=False)
+    np.testing.assert_allclose(got[("a", 2)], [0, 0, 2 / 3, 2 / 3, 0, 0.5, 0.5], atol=ATOL)
+    np.testing.assert_allclose(got[("a", 3)], [0, 0, -1 / 3, -1 / 3, 0, -0.5], atol=ATOL)
+
+
+def test_branch_grpo_falls_back_past_one_leaf_prefixes():
+    """A turn below a one-leaf prefix takes the next branch point up::
+
+        root [1]
+        |- n1 rollout 0: [2]
+        |   |- n2: [3]
+        |   |   |- n3 leaf: [4]  reward 1
+        |   |- n4 leaf: [5]      reward 1   (a continuation from n1)
+        |- n5 rollout 1: [6]
+            |- n6 leaf: [7]      reward 0
+    Prompt {1, 1, 0}: mean 2/3, std sqrt(1/3): 1 -> (1/3)/0.577350 = 0.577350, 0 -> -1.154700.
+    n3's turns: n1 (parent root) 0.577350; n2 (parent n1, leaves {1, 1}) 0; n3 (parent n2, one
+    leaf, so n1's group) 0 -- segment would give it 1 - V(n2) = 0 too, but by another rule.
+    n6's turns: n5 (root) -1.154700; n6 (parent n5, one leaf: the root's group) -1.154700,
+    where segment gives 0 - V(n5) = 0.
+    """
+    t = RolloutTree.new("f", "q", ["a"], prompt_ids=[1])
+    t.add_child(0, rollout=0, **turn([2], [1]))
+    t.add_child(1, **turn([3], [1]))
+    t.add_child(2, **turn([4], [1], reward=1.0))
+    t.add_child(1, **turn([5], [1], reward=1.0))
+    t.add_child(0, rollout=1, **turn([6], [1]))
+    t.add_child(5, **turn([7], [1], reward=0.0))
+    t.compute_values()
+    up, down = (1 / 3) / (math.sqrt(1 / 3) + E), (-2 / 3) / (math.sqrt(1 / 3) + E)
+    got = adv.branch_grpo([t])
+    np.testing.assert_allclose(got[("f", 3)], [0, up, 0, 0], atol=ATOL)
+    np.testing.assert_allclose(got[("f", 4)], [0, up, 0], atol=ATOL)
+    np.testing.assert_allclose(got[("f", 6)], [0, down, down], rtol=RTOL, atol=ATOL)
+    assert adv.segment([t])[("f", 6)] == pytest.approx([0, -2 / 3, 0], abs=ATOL)
+
+
+def test_branch_grpo_is_grpo_on_unbranched_trees():
+    # Bare rollouts of 1-3 turns, never branched: every turn's group is the prompt's.
+    rng = random.Random(1)
+    trees = []
+    for k in range(5):
+        t = RolloutTree.new(f"u{k}", "q", ["a"], prompt_ids=[1, 2])
+        for r in range(rng.randint(1, 5)):
+            parent = 0
+            depth = rng.randint(1, 3)
+            for d in range(depth):
+                leaf = d == depth - 1
+                node = t.add_child(parent, **(dict(rollout=r) if parent == 0 else {}),
+                                   **turn([3, 4, 5], [1, 1, int(leaf)],
+                                          reward=float(rng.random() < 0.4) if leaf else None))
+                parent = node.id
+        t.compute_values()
+        trees.append(t)
+    for norm_by_std in (True, False):
+        a = adv.branch_grpo(trees, norm_by_std)
+        b = adv.token_advantages(trees, "grpo", norm_by_std)
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-12)
+
+
 def test_assign_advantages_per_token():
     t = hand_tree()
     seqs = t.flatten()
@@ -200,10 +274,12 @@ def test_loop_matches_vectorised(norm_by_std):
             a, b = fast(trees, norm_by_std), slow(trees, norm_by_std)
             assert a.keys() == b.keys()
             np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-9, atol=1e-9)
-        a, b = adv.segment(trees), references.segment_loop(trees)
-        assert a.keys() == b.keys()
-        for k in a:
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-9, atol=1e-9)
+        for a, b in [(adv.segment(trees), references.segment_loop(trees)),
+                     (adv.branch_grpo(trees, norm_by_std),
+                      references.branch_grpo_loop(trees, norm_by_std))]:
+            assert a.keys() == b.keys()
+            for k in a:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-9, atol=1e-9)
         # Per-token lists align with the flattened sequences.
         seqs = [s for t in trees for s in t.flatten()]
         for s, row in zip(seqs, adv.assign_advantages(seqs, trees, "treepo")):

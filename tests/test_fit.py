@@ -172,7 +172,7 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
 
     demo_policy = in_float64(AutoModelForCausalLM.from_pretrained(
         demo_dir / "model", attn_implementation=TREE_SDPA))
-    for kind in ("tree_grpo", "segment"):
+    for kind in ("tree_grpo", "segment", "branch_grpo"):
         assert_packed_equals_per_leaf(demo_policy, ta + epoch0, kind, rtol=1e-10)
     longest = max(len(s.input_ids) for t in ta for s in t.flatten())
     assert_packed_equals_per_leaf(demo_policy, ta, "grpo", rtol=1e-10, max_tokens=longest)

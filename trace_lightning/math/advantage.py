@@ -29,6 +29,15 @@ Kinds (``AdvantageKind``):
   is the set of leaves below that node. ``A = mean over those groups of norm_G(r)``. The root
   is always a group, so a one-leaf tree falls back to the group-of-one rule (``A = r``), the
   same as ``grpo`` on that tree.
+- ``branch_grpo`` (per turn, the nearest branch point's group): the policy tokens of turn ``n``
+  get ``norm_G(r)``, ``G`` the leaves below the deepest node at or above ``parent(n)`` with
+  ``n_leaves >= 2`` (its nearest branch point; the root if there is none). Above a branch
+  point a turn gets the prompt group's GRPO advantage; below it, its own branch's contrast:
+  two endings of one prefix with rewards ``{1, 0}`` get ``+-0.7071`` and equal endings 0, so
+  a turn's baseline is the value of the state it was sampled from wherever the tree sampled
+  that state more than once. A turn whose parent has one leaf below falls back to the next
+  branch point up, so every turn gets an advantage (unlike ``segment``), and a tree that never
+  branched gets exactly ``grpo``'s.
 - ``segment`` (per-segment ``R - V(anchor)``): varies along the sequence. The policy tokens of
   turn ``n`` get ``R_leaf - value(parent(n))``: the anchor is the prefix the turn was generated
   from, and ``value`` is the bottom-up tree value (mean leaf reward below). No std
@@ -41,7 +50,7 @@ produced, with the group-of-one rule above. Advantages are outcome-only: no per-
 discount, no KL-in-reward.
 
 Each scalar kind is vectorised (numpy ``bincount`` over group ids); the tests check every
-kind, ``segment`` included, against plain-loop references (``tests/references.py``).
+kind, the per-token ones included, against plain-loop references (``tests/references.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +63,8 @@ import numpy as np
 from trace_lightning.tree import LeafSequence, RolloutTree
 
 LeafKey = tuple[str, int]  # (tree_id, leaf_id)
-AdvantageKind = Literal["tree_grpo", "grpo", "treepo", "segment"]
+AdvantageKind = Literal["tree_grpo", "grpo", "treepo", "segment", "branch_grpo"]
+PER_TOKEN_KINDS: tuple[str, ...] = ("segment", "branch_grpo")  # vary along the sequence
 ADVANTAGE_KINDS: tuple[str, ...] = get_args(AdvantageKind)
 EPS = 1e-6
 
@@ -210,9 +220,51 @@ def segment(trees: Sequence[RolloutTree]) -> dict[LeafKey, list[float]]:
     return out
 
 
+def branch_grpo(trees: Sequence[RolloutTree], norm_by_std: bool = True,
+                eps: float = EPS) -> dict[LeafKey, list[float]]:
+    """Per turn, ``norm_G(r)`` over the leaves below its nearest branch point (module doc)."""
+    _check_trees(trees)
+    out = {}
+    for t in trees:
+        leaves = t.leaves()
+        if not leaves:
+            continue
+        r = np.array([float(n.reward) for n in leaves])  # (L,)
+        # Sums over the leaves below every node: each leaf adds to every node on its path.
+        on_path = [[n.id for n in t.path(leaf.id)] for leaf in leaves]
+        idx = np.concatenate([np.asarray(p, dtype=np.int64) for p in on_path])  # (P,)
+        per = np.repeat(r, [len(p) for p in on_path])  # (P,)
+        count = np.bincount(idx, minlength=len(t.nodes)).astype(np.float64)  # (n_nodes,)
+        total = np.bincount(idx, weights=per, minlength=len(t.nodes))  # (n_nodes,)
+        mean = total / np.maximum(count, 1.0)  # (n_nodes,)
+        var = np.bincount(idx, weights=(per - mean[idx]) ** 2, minlength=len(t.nodes)) \
+            / np.maximum(count - 1.0, 1.0)  # (n_nodes,)
+        std = np.sqrt(var)  # (n_nodes,)
+        mean[count == 1], std[count == 1] = 0.0, 1.0  # a group of one (only a one-leaf root)
+        for leaf, path, reward in zip(leaves, on_path, r):
+            group, b = [], path[0]  # each turn's nearest branch point at or above its parent
+            for parent in path[:-1]:
+                b = parent if count[parent] >= 2 else b
+                group.append(b)
+            a = reward - mean[group]  # (D,) one per turn
+            if norm_by_std:
+                a = a / (std[group] + eps)
+            out[(t.tree_id, leaf.id)] = _spread(t, leaf.id, dict(zip(path[1:], a.tolist())))
+    return out
+
+
+def _per_token(trees: Sequence[RolloutTree], kind: str, norm_by_std: bool,
+               eps: float) -> dict[LeafKey, list[float]]:
+    """The per-token kinds (``PER_TOKEN_KINDS``)."""
+    if kind == "segment":
+        return segment(trees)
+    return branch_grpo(trees, norm_by_std, eps)
+
+
 def leaf_advantages(trees: Sequence[RolloutTree], kind: AdvantageKind = "tree_grpo",
                     norm_by_std: bool = True, eps: float = EPS) -> dict[LeafKey, float]:
-    """Scalar advantage per leaf for ``grpo`` / ``tree_grpo`` / ``treepo`` (not ``segment``)."""
+    """Scalar advantage per leaf for ``grpo`` / ``tree_grpo`` / ``treepo`` (not the
+    per-token ``segment`` / ``branch_grpo``)."""
     _check_kind(kind)
     if kind == "grpo":
         return grpo(trees, norm_by_std, eps)
@@ -231,7 +283,7 @@ def token_advantages(trees: Sequence[RolloutTree], kind: AdvantageKind = "tree_g
 
     Args:
         trees: the step's trees (rewards on leaves, ``compute_values()`` done).
-        kind: ``tree_grpo`` (default), ``grpo``, ``treepo`` or ``segment``.
+        kind: ``tree_grpo`` (default), ``grpo``, ``treepo``, ``segment`` or ``branch_grpo``.
         norm_by_std: divide by the group std (ignored by ``segment``).
         eps: added to the std (ignored by ``segment``).
 
@@ -240,8 +292,8 @@ def token_advantages(trees: Sequence[RolloutTree], kind: AdvantageKind = "tree_g
         root->leaf path (as ``RolloutTree.flatten``), 0.0 on prompt and observation tokens.
     """
     _check_kind(kind)
-    if kind == "segment":
-        return segment(trees)
+    if kind in PER_TOKEN_KINDS:
+        return _per_token(trees, kind, norm_by_std, eps)
     return _spread_scalars(trees, leaf_advantages(trees, kind, norm_by_std, eps))
 
 
@@ -261,13 +313,13 @@ def assign_advantages(seqs: Sequence[LeafSequence], trees: Sequence[RolloutTree]
                       eps: float = EPS) -> list[list[float]]:
     """Compute advantages and attach them to ``seqs``.
 
-    Sets ``seq.advantage`` (a scalar: the leaf's advantage; for ``segment``, the mean over its
-    policy tokens, a summary for logging) and returns the per-token lists, aligned with
+    Sets ``seq.advantage`` (a scalar: the leaf's advantage; for the per-token kinds, the mean
+    over its policy tokens, a summary for logging) and returns the per-token lists, aligned with
     ``seqs`` and with each ``seq.input_ids``, for :func:`trace_lightning.training.packing.collate`.
     """
     _check_kind(kind)
-    if kind == "segment":
-        per_token, scalar = segment(trees), None
+    if kind in PER_TOKEN_KINDS:
+        per_token, scalar = _per_token(trees, kind, norm_by_std, eps), None
     else:  # the scalars once, spread as token_advantages does
         scalar = leaf_advantages(trees, kind, norm_by_std, eps)
         per_token = _spread_scalars(trees, scalar)

@@ -81,7 +81,8 @@ class TraceModule(L.LightningModule):
         weight_decay: policy weight decay.
         betas: AdamW betas.
         max_grad_norm: clip the policy's gradient norm (0 = off).
-        advantage: tree advantage: "tree_grpo" (default), "treepo", "segment", "grpo".
+        advantage: tree advantage: "tree_grpo" (default), "treepo", "segment", "grpo",
+            "branch_grpo" (trace_lightning/math/advantage.py).
         clip_low: lower clip of the importance ratio (1 - clip_low).
         clip_high: upper clip of the importance ratio (1 + clip_high).
         dual_clip: for a negative advantage, cap the loss term -A ratio at -A dual_clip
