@@ -1,6 +1,7 @@
 """The front door holds: the README's commands are what CI runs, every relative link in the
-README and docs/ resolves, the results table is what the benchmarks' JSON files say, and the
-dashboard picture is of what the callbacks draw now."""
+README and docs/ resolves and every repository path they name exists, the results table is
+what the benchmarks' JSON files say, and the dashboard picture is of what the callbacks draw
+now."""
 
 from __future__ import annotations
 
@@ -68,6 +69,18 @@ def test_every_relative_link_resolves(doc):
         elif frag and dest.suffix == ".md" and frag not in anchors(dest):
             broken.append(f"{target} (no heading #{frag} in {dest.name})")
     assert not broken, f"{doc.relative_to(REPO)}: broken links: {broken}"
+
+
+REPO_PATH = re.compile(r"`((?:configs|scripts|benchmarks|trace_lightning|callbacks|docs|tests|\.ci)"
+                       r"/[\w/.\-]*[\w/])`")
+
+
+def test_repo_paths_named_in_the_docs_exist():
+    """A file the docs name in backticks (`configs/x.yaml`) is in the checkout: a removed
+    config or script leaves no pointer behind."""
+    missing = [f"{doc.relative_to(REPO)}: {p}" for doc in DOCS
+               for p in REPO_PATH.findall(doc.read_text()) if not (REPO / p).exists()]
+    assert not missing, f"named in the docs but not in the checkout: {missing}"
 
 
 def readme_commands() -> list[str]:
