@@ -5,7 +5,7 @@ At epoch start (the step is ready, see ``callbacks._common``), over all ranks:
 - ``perf/rollout_tokens_per_s``: generated tokens of every rank / the slowest rank's rollout
   seconds (ranks roll out in parallel);
 - ``perf/<phase>_s`` for each phase the step timed (``rollout``, ``retrieval``,
-  ``predict``);
+  ``predict``, and ``predictor_fit`` where the allocator reads predictions);
   ``perf/sync_s``: the datamodule's latest weight sync; ``perf/sync_logprob_diff``: its
   largest engine-vs-policy log-prob difference (max over ranks);
 - ``perf/prefix_cache_share``: prefill tokens served from the engine's prefix cache (0 for

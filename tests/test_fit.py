@@ -181,14 +181,18 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
 def test_fit_exports_the_trained_policy_for_transformers(demo_dir, tmp_path):
     """demo.yaml's ExportPolicy writes <log_dir>/policy/last when training ends: the weights
     of the final checkpoint (not the initial ones), loadable by transformers; and
-    ``trace-lightning-export`` turns that checkpoint into the same directory."""
+    ``trace-lightning-export`` turns that checkpoint into the same directory. The run is
+    GRPO's (``uniform``), which reads no predictions and so fits no predictor."""
     from transformers import AutoModelForCausalLM
 
     # this small world's policy rarely succeeds (zero advantages); weight decay moves every
     # weight anyway, so the export must be of the trained weights, not the initial ones
     main(["fit", *demo_args(demo_dir, tmp_path, 1, "--model.lr=1e-3",
-                            "--model.weight_decay=0.1")])
+                            "--model.weight_decay=0.1", "--data.allocator.kind=uniform")])
     run = tmp_path / "tensorboard" / "version_0"
+    logged = scalars(tmp_path)
+    assert "perf/sample_s" in logged and "train/loss" in logged
+    assert not [k for k in logged if k.startswith("predictor/") or k == "perf/predictor_fit_s"]
     exported = AutoModelForCausalLM.from_pretrained(run / "policy" / "last").state_dict()
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     trained = policy_state(ckpt["state_dict"], "last.ckpt")
@@ -197,6 +201,7 @@ def test_fit_exports_the_trained_policy_for_transformers(demo_dir, tmp_path):
     for name in trained:
         torch.testing.assert_close(exported[name], trained[name], atol=0, rtol=0)
     assert any(not torch.equal(trained[n], initial[n]) for n in trained)
+    assert ckpt["trace"]["predictor_nodes_seen"] == 0 and ckpt["trace"]["replay"]["steps"] == []
     meta = json.loads((run / "policy" / "last" / "trace_lightning.json").read_text())
     assert (meta["epochs"], meta["global_step"]) == (1, 2)  # 1 epoch of 2 mini-batches
 

@@ -400,8 +400,12 @@ class TraceDataModule(L.LightningDataModule):
         with self._engine_turn():
             step = self._rollout()
         self._rollout_epoch = step.epoch
-        module = learner_of(self.trainer)
-        module.receive_step(step)
+        if self.allocator.predicts:
+            # The predictor learns from the step only where the allocator reads it: a run of
+            # GRPO (uniform) or random_tree pays for no predictor, as it would elsewhere.
+            fit_tic = time.perf_counter()
+            learner_of(self.trainer).receive_step(step)
+            step.seconds["predictor_fit"] = time.perf_counter() - fit_tic
         epoch, (rank, _) = self.trainer.current_epoch, self._rank
         if self.trees_dir:
             with fail_together("writing the step's trees (--data.trees_dir)", self._any_failed):

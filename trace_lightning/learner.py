@@ -8,7 +8,8 @@ it), never through attributes looked up on ``trainer.lightning_module``:
 - copy the policy's weights into the engine and check the copy (``sync_to_engine``);
 - predict success on the trees' prefixes while allocating (``predict_trees``) and say how
   many nodes the predictor has learnt from (``predictor_nodes_seen``: the cold start);
-- train the predictor on the step's finished trees (``receive_step``);
+- train the predictor on the step's finished trees (``receive_step``; only for an allocator
+  that reads predictions: a GRPO run pays for no predictor);
 - say whether a checkpoint's predictor fits this run (``check_checkpoint_predictor``),
   before the engine starts;
 - say whether its predictions read the task's description of each prompt
