@@ -94,7 +94,8 @@ def rows() -> list[str]:
     out = []
     # The learning benchmark at the demo's budget: the first world build, then the second
     # (with the demo's beliefs and without); then the first at half the demo's leaves per step
-    # and at twice its steps (with beliefs and without).
+    # and at twice its steps; then the third build against a GRPO that fits no predictor
+    # (the times before it charge GRPO for one).
     second = "the-demos-budget-on-the-second-build"
     for name, what, anchor in (
             ("learning.json", "Learning: trace against GRPO, demo budget, first build",
@@ -109,9 +110,9 @@ def rows() -> list[str]:
             ("learning_e16.json",
              "Learning: trace against GRPO, twice the demo's steps (16 epochs), first build",
              "twice-the-steps-16-epochs-at-the-demos-budget"),
-            ("learning_e16_belief.json",
-             "Learning: the same without beliefs, 16 epochs, first build",
-             "twice-the-steps-16-epochs-at-the-demos-budget")):
+            ("learning_world3_no_predictor.json",
+             "Learning: trace against a GRPO that fits no predictor, demo budget, third build "
+             "(an Intel CPU)", "a-grpo-run-pays-for-no-predictor")):
         r = _load(name)
         if not (r and {"uniform", "trace"} <= set(r["methods"])):
             continue
