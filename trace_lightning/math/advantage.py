@@ -230,13 +230,13 @@ def branch_grpo(trees: Sequence[RolloutTree], norm_by_std: bool = True,
         if not leaves:
             continue
         r = np.array([float(n.reward) for n in leaves])  # (L,)
-        # Sums over the leaves below every node: each leaf adds to every node on its path.
+        # Each node's group is the leaves below it: their count and mean are the tree's
+        # values; the std needs their squared deviations, which each leaf adds along its path.
+        count = np.array([n.n_leaves for n in t.nodes], dtype=np.float64)  # (n_nodes,)
+        mean = np.array([0.0 if n.value is None else n.value for n in t.nodes])  # (n_nodes,)
         on_path = [[n.id for n in t.path(leaf.id)] for leaf in leaves]
         idx = np.concatenate([np.asarray(p, dtype=np.int64) for p in on_path])  # (P,)
         per = np.repeat(r, [len(p) for p in on_path])  # (P,)
-        count = np.bincount(idx, minlength=len(t.nodes)).astype(np.float64)  # (n_nodes,)
-        total = np.bincount(idx, weights=per, minlength=len(t.nodes))  # (n_nodes,)
-        mean = total / np.maximum(count, 1.0)  # (n_nodes,)
         var = np.bincount(idx, weights=(per - mean[idx]) ** 2, minlength=len(t.nodes)) \
             / np.maximum(count - 1.0, 1.0)  # (n_nodes,)
         std = np.sqrt(var)  # (n_nodes,)
