@@ -5,7 +5,7 @@ At epoch start (the step is ready, see ``callbacks._common``), over all ranks:
 - ``perf/rollout_tokens_per_s``: generated tokens of every rank / the slowest rank's rollout
   seconds (ranks roll out in parallel);
 - ``perf/<phase>_s`` for each phase the step timed (``rollout``, ``retrieval``,
-  ``predict``, and ``predictor_fit`` where the allocator reads predictions);
+  ``predict``);
   ``perf/sync_s``: the datamodule's latest weight sync; ``perf/sync_logprob_diff``: its
   largest engine-vs-policy log-prob difference (max over ranks);
 - ``perf/prefix_cache_share``: prefill tokens served from the engine's prefix cache (0 for
@@ -13,10 +13,11 @@ At epoch start (the step is ready, see ``callbacks._common``), over all ranks:
 - ``perf/rollout_engine_calls``: the step's turns, one batched engine call each (most of any
   rank): the longest chain of turns, which a prompt's stage 2 starting early keeps short;
 - ``perf/sample_s``: the step's whole sampling phase (weight sync, rollouts, predictor
-  calls and fit, batching), slowest rank.
+  calls, batching), slowest rank.
 
 At epoch end: ``perf/train_s`` (time inside training batches, slowest rank: validation and
-rollouts excluded), ``perf/train_tokens_per_s`` (policy tokens, the ones the loss trains on,
+rollouts excluded; the predictor's fit after the last mini-batch included, which the module
+logs as ``perf/predictor_fit_s``), ``perf/train_tokens_per_s`` (policy tokens, the ones the loss trains on,
 of every rank, times the datamodule's ``ppo_epochs`` passes / ``train_s``),
 ``perf/train_all_tokens_per_s`` (all tokens of the leaves' sequences: the per-leaf work) and
 ``perf/train_forwarded_tokens_per_s`` (the tokens the forward passes read: with tree packing

@@ -104,9 +104,7 @@ def build_step(epoch: int = 0, trees: list[RolloutTree] | None = None,
                                      generated_tokens=500, prefill_tokens=800, cached_tokens=200,
                                      tool_calls=6),
                        pool_returned=1,
-                       # predictor_fit: what the data module adds after the predictor's fit
-                       seconds={"rollout": 2.0, "retrieval": 0.75, "predict": 0.5,
-                                "predictor_fit": 0.4},
+                       seconds={"rollout": 2.0, "retrieval": 0.75, "predict": 0.5},
                        cold_start=False, engine_calls=7)
 
 

@@ -152,6 +152,7 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
     assert sa["alloc/leaves"] == [16.0, 16.0]
     # the predictor's fit once per RL step, not again at each of its two optimizer steps
     assert len(sa["train/loss"]) == 4 and len(sa["predictor/loss"]) == 2
+    assert len(sa["perf/predictor_fit_s"]) == 2
     # the weight-sync check ran and passed
     assert max(sa["perf/sync_logprob_diff"]) < 1e-3
     # trees are real agent trajectories with observation tokens masked out

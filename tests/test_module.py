@@ -317,7 +317,7 @@ def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
 
     class Receive(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            pl_module.receive_step(types.SimpleNamespace(trees=mixed_trees(), epoch=0))
+            pl_module.train_predictor(types.SimpleNamespace(trees=mixed_trees(), epoch=0))
             stats[trainer.precision] = dict(pl_module._predictor_stats)
             assert all(p.dtype == torch.float32 for p in pl_module.predictor.parameters())
 
@@ -332,11 +332,53 @@ def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
         assert stats[precision] == pytest.approx(stats["32-true"])
 
 
+def _tree_batches(trees: list[RolloutTree], n_minibatches: int) -> list[dict]:
+    """The DataModule's tree-packed mini-batches of ``trees`` (GRPO advantages), the last
+    marked ``step_end``."""
+    import copy
+
+    from trace_lightning.math.advantage import assign_advantages
+    from trace_lightning.training.tree_packing import tree_minibatches, update_units
+
+    trees = copy.deepcopy(trees)
+    units = []
+    for t in trees:
+        seqs = t.flatten()
+        for seq, adv in zip(seqs, assign_advantages(seqs, [t], "grpo")):
+            seq.token_advantages = adv
+        units.append(update_units(t, seqs, 4096))
+    batches = tree_minibatches(units, n_minibatches, 4096, pad_id=0, seed=0)
+    batches[-1]["step_end"] = True
+    return batches
+
+
+def _with_continuations(trees: list[RolloutTree]) -> list[RolloutTree]:
+    """One continuation from each tree's first turn of rollout 0 (in place)."""
+    for t in trees:
+        first = t.root.children[0]
+        t.add_child(first, token_ids=[10, 11], logprobs=[-1.0, -1.0], policy_mask=[1, 1],
+                    finished=True, reward=1.0)
+        t.compute_values()
+    return trees
+
+
+def _path_features(policy, trees: list[RolloutTree]) -> dict:
+    """Every node's feature the plain way: its prefix alone, a causal forward, the last
+    hidden state (the packed readings' reference)."""
+    from trace_lightning.allocation.features import prompt_features
+
+    keys = [(t.tree_id, n.id) for t in trees for n in t.nodes]
+    paths = [t.prefix_ids(n.id) for t in trees for n in t.nodes]
+    return dict(zip(keys, prompt_features(policy, paths, batch_tokens=4096)))
+
+
 def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
     """The rollout's predictions featurise stage 1's roots, then stage 2's trees (one packed
-    unit each, its two bare rollouts); the predictor's fit after the rollout runs only the
-    paths they did not (the continuations), and fits on the same features a fresh
-    computation gives (the weights have not moved)."""
+    unit each, its two bare rollouts); the predictor learns after the update's last
+    mini-batch, and the features it lacks (the continuations') come from the update's own
+    forward: no further policy forward runs for it. Its features equal a fresh computation
+    at the weights the update started from (one mini-batch: the forward came before the
+    optimizer step)."""
     import types
 
     from trace_lightning.allocation import features
@@ -361,37 +403,82 @@ def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
 
     def keep(trees, feats, *args, **kwargs):  # the features the predictor fits on
         seen["fitted"] = dict(feats)
+        seen["ran_by_fit"] = len(ran)
         return training_batch(trees, feats, *args, **kwargs)
 
     monkeypatch.setattr(module_lib, "training_batch", keep)
+    trees = mixed_trees()  # 6 trees x 2 bare rollouts of two turns
+    batches = _tree_batches(_with_continuations(mixed_trees()), 1)
 
     class Rollout(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            trees = mixed_trees()  # 6 trees x 2 bare rollouts of two turns
             roots = [RolloutTree.new(t.tree_id, "q", ["a"], t.root.token_ids) for t in trees]
             pl_module.predict_trees(roots)  # stage 1: 6 prompts
             pl_module.predict_trees(trees)  # stage 2: 6 trees (roots known, not read again)
             seen["predicted"] = len(ran)
-            for t in trees:  # one continuation from each tree's first turn of rollout 0
-                first = t.root.children[0]
-                t.add_child(first, token_ids=[10, 11], logprobs=[-1.0, -1.0],
-                            policy_mask=[1, 1], finished=True, reward=1.0)
-                t.compute_values()
+            _with_continuations(trees)
+            seen["fresh"] = _path_features(pl_module.policy, trees)
             del ran[:]
             pl_module.receive_step(types.SimpleNamespace(trees=trees, epoch=0))
-            seen["fit"] = [list(s) for s in ran]
-            seen["continuations"] = sorted(
-                [t.prefix_ids(t.nodes[-1].id) for t in trees])  # their whole paths
-            seen["fresh"] = features.node_features(pl_module.policy, trees, batch_tokens=4096)
+            assert "fitted" not in seen  # not before the update
 
-    _fit(TraceModule(policy_path=str(policy_dir), lr=1e-4), [_minibatch(1)],
-         callbacks=[Rollout()])
+    _fit(TraceModule(policy_path=str(policy_dir), lr=1e-2), batches, callbacks=[Rollout()])
     assert seen["predicted"] == 6 + 6
-    assert sorted(seen["fit"]) == seen["continuations"] and len(seen["fit"]) == 6
-    # every node's features, those kept from the predictions included, are the weights'
-    assert seen["fitted"].keys() >= seen["fresh"].keys()
+    assert seen["ran_by_fit"] == 0  # the update's forward read every continuation
+    assert seen["fitted"].keys() == seen["fresh"].keys()
     for k, f in seen["fresh"].items():
         torch.testing.assert_close(seen["fitted"][k], f, rtol=1e-4, atol=1e-5)
+
+
+def test_the_predictor_learns_after_the_steps_last_minibatch(policy_dir):
+    """With two mini-batches the predictor has learnt nothing after the first and the step's
+    nodes after the second (marked ``step_end``); the continuations of the second
+    mini-batch's trees are read at the weights its optimizer step started from, which the
+    first moved (lr 1e-2), so they differ from the rollout's weights' features."""
+    import types
+
+    from trace_lightning.training import module as module_lib
+
+    trees = mixed_trees()
+    batches = _tree_batches(_with_continuations(mixed_trees()), 2)
+    second = {k for k in batches[1]["micro"][0]["node_keys"]}
+    seen, fitted = {"nodes": []}, {}
+    training_batch = module_lib.training_batch
+
+    class Rollout(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pl_module.predict_trees(trees)
+            _with_continuations(trees)
+            seen["fresh"] = _path_features(pl_module.policy, trees)
+            pl_module.receive_step(types.SimpleNamespace(trees=trees, epoch=0))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:  # the weights the second mini-batch's forward runs at
+                seen["moved"] = _path_features(pl_module.policy, trees)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen["nodes"].append(pl_module.predictor_nodes_seen)
+
+    def keep(trees, feats, *args, **kwargs):
+        fitted.update(feats)
+        return training_batch(trees, feats, *args, **kwargs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(module_lib, "training_batch", keep)
+    try:
+        _fit(TraceModule(policy_path=str(policy_dir), lr=1e-2), batches,
+             callbacks=[Rollout()])
+    finally:
+        mp.undo()
+    assert seen["nodes"] == [0, len(training_batch(trees, seen["fresh"]).value)]
+    continuations = {(t.tree_id, t.nodes[-1].id) for t in trees}
+    late = continuations & second
+    assert late and continuations - second  # continuations in both mini-batches
+    for k in late:
+        torch.testing.assert_close(fitted[k], seen["moved"][k], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(fitted[k], seen["fresh"][k], rtol=1e-4, atol=1e-5)
+    for k in continuations - second:
+        torch.testing.assert_close(fitted[k], seen["fresh"][k], rtol=1e-4, atol=1e-5)
 
 
 def test_the_policy_trains_without_dropout(tmp_path):

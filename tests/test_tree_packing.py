@@ -295,6 +295,31 @@ def small_tree() -> RolloutTree:
     return t
 
 
+@pytest.mark.parametrize("max_tokens", [4096, 12])
+def test_node_ends_are_each_prefix_last_token(max_tokens):
+    """Every node of every tree is listed (once per unit holding it: a tree split at 12
+    tokens repeats its upper nodes), and the tokens its listed end sees under the packed
+    attention (j <= i < subtree_end[j]) are its prefix's, in order: its final hidden state
+    is the node's feature, as a forward of the prefix alone would give it."""
+    trees = hand_trees()
+    seqs = sequences(trees, "grpo")
+    units = [u for tr in trees
+             for u in update_units(tr, [s for s in seqs if s.tree_id == tr.tree_id], max_tokens)]
+    by_id = {t.tree_id: t for t in trees}
+    listed = []
+    for rows in pack_rows([len(u) for u in units], max_tokens):
+        mb = collate_units([[units[j] for j in row] for row in rows], pad_id=0)
+        assert len(mb["node_keys"]) == len(mb["node_ends"]) == sum(
+            len(units[j].last) for row in rows for j in row)
+        for (tree_id, node_id), (r, i) in zip(mb["node_keys"], mb["node_ends"].tolist()):
+            seen = [int(mb["input_ids"][r, j]) for j in range(i + 1)
+                    if i < mb["subtree_end"][r, j]]
+            assert seen == by_id[tree_id].prefix_ids(node_id)
+            listed.append((tree_id, node_id))
+    assert set(listed) == {(t.tree_id, n.id) for t in trees for n in t.nodes}
+    assert (len(listed) > len(set(listed))) == (max_tokens == 12)
+
+
 def test_layout_by_hand():
     """Tree: root [1 2] - n1 [3 4] - {n2 [5], n3 [6 7]}, n1 and n3 policy tokens.
     Depth-first: 1 2 3 4 5 6 7; positions 0 1 2 3 4 4 5 (n3 starts where n2 did, along its
@@ -420,6 +445,13 @@ def test_ppo_epochs_pass_over_every_tree_each_time_in_fresh_splits():
     for e in range(3):
         assert sorted(firsts(batches[2 * e]) + firsts(batches[2 * e + 1])) == list(range(12))
     assert len({tuple(firsts(batches[2 * e])) for e in range(3)}) > 1  # split afresh
+    # every node is read in every pass (the predictor's features), and the step's last
+    # mini-batch, after which the module's predictor learns, is marked
+    every = {(t.tree_id, n.id) for t in trees for n in t.nodes}
+    for e in range(3):
+        assert {tuple(k) for b in batches[2 * e: 2 * e + 2] for mb in b["micro"]
+                for k in mb["node_keys"]} == every
+    assert [bool(b.get("step_end")) for b in batches] == [False] * 5 + [True]
 
 
 @pytest.mark.slow

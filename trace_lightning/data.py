@@ -402,16 +402,16 @@ class TraceDataModule(L.LightningDataModule):
         self._rollout_epoch = step.epoch
         if self.allocator.predicts:
             # The predictor learns from the step only where the allocator reads it: a run of
-            # GRPO (uniform) or random_tree pays for no predictor, as it would elsewhere.
-            fit_tic = time.perf_counter()
+            # GRPO (uniform) or random_tree pays for no predictor, as it would elsewhere. It
+            # learns after the update's last mini-batch (marked step_end), whose forwards
+            # read the features its predictions did not compute.
             learner_of(self.trainer).receive_step(step)
-            step.seconds["predictor_fit"] = time.perf_counter() - fit_tic
         epoch, (rank, _) = self.trainer.current_epoch, self._rank
         if self.trees_dir:
             with fail_together("writing the step's trees (--data.trees_dir)", self._any_failed):
                 write_jsonl(step.trees, Path(self.trees_dir) / f"epoch_{epoch}_rank_{rank}.jsonl")
         batches = self._batches(step)
-        # the step's sampling phase: weight sync, rollouts, predictor fit and batching
+        # the step's sampling phase: weight sync, rollouts and batching
         self.timings["sample"] = time.perf_counter() - tic
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
 
@@ -487,7 +487,9 @@ class TraceDataModule(L.LightningDataModule):
         for m in out:  # the temperature the old log-probs were sampled at: the update
             m["temperature"] = self.sampling.temperature  # recomputes them at it
         device = self.trainer.strategy.root_device if self.trainer is not None else None
-        return equalise_over_ranks(out, pad, device)
+        out = equalise_over_ranks(out, pad, device)
+        out[-1]["step_end"] = True  # the module's predictor learns after it (receive_step)
+        return out
 
     def val_dataloader(self) -> list[DataLoader]:
         """One loader per validation set; its rollouts are sampled when it is iterated.

@@ -8,8 +8,10 @@ it), never through attributes looked up on ``trainer.lightning_module``:
 - copy the policy's weights into the engine and check the copy (``sync_to_engine``);
 - predict success on the trees' prefixes while allocating (``predict_trees``) and say how
   many nodes the predictor has learnt from (``predictor_nodes_seen``: the cold start);
-- train the predictor on the step's finished trees (``receive_step``; only for an allocator
-  that reads predictions: a GRPO run pays for no predictor);
+- hand over the step's finished trees for the predictor to learn from (``receive_step``;
+  only for an allocator that reads predictions: a GRPO run pays for no predictor). The
+  module learns from them after the update, at the end of the mini-batch the DataModule
+  marks ``step_end`` (its last of the step), so the update's forwards can feed it;
 - say whether a checkpoint's predictor fits this run (``check_checkpoint_predictor``),
   before the engine starts;
 - say whether its predictions read the task's description of each prompt
@@ -42,7 +44,8 @@ class Learner(Protocol):
         """Set ``node.prediction`` on every root and non-leaf turn of ``trees``."""
 
     def receive_step(self, step: RolloutStep) -> None:
-        """Train the predictor on the step's finished trees."""
+        """Take the step's finished trees; the predictor learns from them by the end of the
+        mini-batch marked ``step_end``."""
 
     def check_checkpoint_predictor(self, state_dict: dict) -> None:
         """A ValueError naming the settings when a checkpoint's predictor does not fit."""

@@ -133,6 +133,23 @@ def _tips(tree: RolloutTree) -> list[int]:
     return [n.id for n in tree.nodes if not n.children]
 
 
+def take_node_features(hidden: Tensor, batch: dict, into: dict[NodeKey, Tensor]) -> None:
+    """Read the features of a packed micro-batch's nodes (``tree_packing.collate_units``)
+    from its final hidden states ``hidden`` ``(R, T, D)`` into ``into``: {(tree_id, node_id):
+    (D,) float32 on the CPU}. A node already in ``into`` keeps its value, so a node in
+    several units of a split tree is read from the first, and features computed earlier
+    stay. The update's forward reads the same positions (``TraceModule._logprobs``)."""
+    # tuples again: a DataLoader's default conversion turns them into lists
+    keys = [(tree_id, int(node_id)) for tree_id, node_id in batch["node_keys"]]
+    new = [i for i, k in enumerate(keys) if k not in into]
+    if not new:
+        return
+    pick = batch["node_ends"].to(hidden.device)[torch.tensor(new, device=hidden.device)]
+    feats = hidden[pick[:, 0], pick[:, 1]].detach().float().cpu()  # (K, D)
+    for i, f in zip(new, feats):
+        into.setdefault(keys[i], f)  # (D,)
+
+
 def node_features(policy: PreTrainedModel, trees: list[RolloutTree], batch_tokens: int,
                   known: Mapping[NodeKey, Tensor] | None = None) -> dict[NodeKey, Tensor]:
     """``hidden`` features of every node of ``trees``: {(tree_id, node_id): (D,) float32}.
@@ -153,40 +170,20 @@ def node_features(policy: PreTrainedModel, trees: list[RolloutTree], batch_token
     if batch_tokens < 1:
         raise ValueError(f"batch_tokens ({batch_tokens}) must be >= 1")
     out: dict[NodeKey, Tensor] = dict(known or {})
-    done: dict[str, set[int]] = {}
-    for tree_id, node_id in out:
-        done.setdefault(tree_id, set()).add(node_id)
     units: list[TreeUnit] = []
-    wanted: list[list[int]] = []  # per unit: the nodes read from it
     for tree in trees:
         if not tree.root.token_ids:
             raise ValueError(f"tree {tree.tree_id} has an empty prompt; the hidden featuriser "
                              f"reads the prompt's last token")
-        taken = done.setdefault(tree.tree_id, set())
-        tips = [tip for tip in _tips(tree) if any(n.id not in taken for n in tree.path(tip))]
-        for ends in split_ends(tree, tips, batch_tokens) if tips else []:
-            unit = layout(tree, ends)
-            nodes = [i for i in unit.last if i not in taken]
-            taken.update(nodes)
-            units.append(unit)
-            wanted.append(nodes)
-    groups = pack_rows([len(u) for u in units], batch_tokens)
-    batches, members = [], []
-    for rows in groups:
-        batch = collate_units([[units[j] for j in row] for row in rows], pad_id=0)
-        batches.append({k: batch[k] for k in ("input_ids", "position_ids", "subtree_end",
-                                              "tree_nodes")})
-        members.append([(j, *o) for j, o in zip((j for row in rows for j in row),
-                                                batch["offsets"].tolist())])
-
-    def take(g: int, hidden: Tensor) -> None:
-        for j, row, offset in members[g]:
-            u = units[j]
-            pos = torch.tensor([offset + u.last[i] for i in wanted[j]], device=hidden.device)
-            for i, f in zip(wanted[j], hidden[row, pos].float().cpu()):  # (K, D)
-                out[(u.tree_id, i)] = f  # (D,)
-
-    _hidden_states(policy, batches, take)
+        tips = [tip for tip in _tips(tree)
+                if any((tree.tree_id, n.id) not in out for n in tree.path(tip))]
+        units += [layout(tree, ends) for ends in split_ends(tree, tips, batch_tokens)] \
+            if tips else []
+    batches = [collate_units([[units[j] for j in row] for row in rows], pad_id=0)
+               for rows in pack_rows([len(u) for u in units], batch_tokens)]
+    inputs = [{k: b[k] for k in ("input_ids", "position_ids", "subtree_end", "tree_nodes")}
+              for b in batches]  # what the forward reads
+    _hidden_states(policy, inputs, lambda g, hidden: take_node_features(hidden, batches[g], out))
     return out
 
 
@@ -314,12 +311,17 @@ class Featuriser:
         return width + (CONFIDENCE_DIM if self.confidence else 0) + self.task_features
 
     def nodes(self, policy: PreTrainedModel | None, trees: list[RolloutTree],
-              known: Mapping[NodeKey, Tensor] | None = None) -> dict[NodeKey, Tensor]:
+              known: Mapping[NodeKey, Tensor] | None = None,
+              hidden: Mapping[NodeKey, Tensor] | None = None) -> dict[NodeKey, Tensor]:
         """Features of every node of ``trees`` ({(tree_id, node_id): (D,)}); those in
-        ``known`` are returned unchanged."""
+        ``known`` are returned unchanged. ``hidden`` (kind ``hidden`` only): the policy's
+        final hidden states already read at some nodes' prefix ends (``take_node_features``
+        on the update's forward); those nodes run no forward and get the same extras as
+        fresh ones."""
         known = known or {}
         if self.kind == "hidden":
-            out = node_features(policy, trees, self.batch_tokens, known=known)
+            read = {k: v for k, v in (hidden or {}).items() if k not in known}
+            out = node_features(policy, trees, self.batch_tokens, known={**read, **known})
         else:
             out = {**bag_node_features(trees, self.buckets), **known}
         if self.confidence:
@@ -359,5 +361,5 @@ class Featuriser:
 __all__ = [
     "CONFIDENCE_DIM", "Featuriser", "FeaturiserKind", "NodeKey", "bag_node_features",
     "bag_prompt_features", "confidence_features", "confidence_of", "node_features",
-    "prompt_features",
+    "prompt_features", "take_node_features",
 ]

@@ -41,7 +41,7 @@ class RolloutStep:
     budget: Budget
     pool_returned: int = 0  # continuations a prompt could not use, spent elsewhere
     unspent: int = 0  # continuations no prefix could take, spent as extra bare rollouts
-    # wall seconds of rollout, retrieval, predict (and predictor_fit, added by the data module)
+    # wall seconds of rollout, retrieval and predict
     seconds: dict[str, float] = field(default_factory=dict)
     cold_start: bool = False
     # per tree of ``trees``, its stage-1 (planned) bare rollouts: indices 0..m-1; budget no

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import Literal, get_args
 
@@ -30,7 +31,7 @@ from trace_lightning.rollout.engines.sync import sync_weights
 from trace_lightning.allocation.history import PromptHistory
 from trace_lightning.logs import log_scalars
 from trace_lightning.math.loss import selected_token_logprobs, weighted_policy_loss
-from trace_lightning.allocation.features import Featuriser
+from trace_lightning.allocation.features import Featuriser, take_node_features
 from trace_lightning.allocation.predictor import (ReplayBuffer, SuccessPredictor, fit_predictor,
                                        predict_nodes, training_batch)
 from trace_lightning.tree import RolloutTree
@@ -174,6 +175,9 @@ class TraceModule(L.LightningModule):
         # (global_step, {(tree_id, node_id): (D,)}): the features predict_trees computed in
         # this step's rollout, with these weights; receive_step takes them (see there)
         self._step_features: tuple[int, dict] | None = None
+        # (step, its predictions' features, final hidden states the update's forwards read
+        # at the other nodes): the step the predictor learns from after the update
+        self._pending: tuple[RolloutStep, dict, dict] | None = None
         self._grad_norm = float("nan")  # the policy's, before clipping, of the last step
         self._predictor_restore: dict | None = None  # see on_load_checkpoint
         self._predictor_opt: torch.optim.Optimizer | None = None  # see predictor_optimizer
@@ -212,7 +216,7 @@ class TraceModule(L.LightningModule):
         if self._trainer is not None:  # an unwrapped LightningModule is not moved by FSDP
             self.predictor.to(self.trainer.strategy.root_device)
         # The predictor is updated identically on every rank from all ranks' nodes (see
-        # receive_step), so data-parallel wrappers must leave it alone.
+        # train_predictor), so data-parallel wrappers must leave it alone.
         from torch.nn.parallel import DistributedDataParallel
 
         names = [f"predictor.{n}" for n, _ in self.predictor.named_parameters()]
@@ -346,14 +350,29 @@ class TraceModule(L.LightningModule):
         return known[1] if known is not None and known[0] == self.global_step else {}
 
     def receive_step(self, step: RolloutStep) -> None:
+        """Take the step's finished trees; the predictor learns from them once the update
+        has run (``train_predictor``, at the end of the step's last mini-batch, which the
+        DataModule marks ``step_end``).
+
+        Waiting costs the predictor nothing and saves a forward pass: the features of the
+        nodes the rollout's predictions did not featurise (the continuations) are read from
+        the update's own packed forwards (``take_node_features`` on the hidden states that
+        feed the LM head), at the weights of their mini-batch. The predictor is fitted on
+        these weights' features and first used after the update anyway."""
+        self._pending = (step, self._known_features(), {})
+        self._step_features = None
+
+    def train_predictor(self, step: RolloutStep, known: dict | None = None,
+                        hidden: dict | None = None) -> None:
         """Train the predictor on the step's tree values (all ranks' nodes) plus replay.
 
-        Only the paths the rollout's predictions did not featurise run through the policy:
-        with stage 2 predicted, every bare rollout's path is known and only continuations'
-        are new (the weights have not changed since: training comes after)."""
-        known, self._step_features = self._known_features(), None
+        ``known``: features the rollout's predictions computed; ``hidden``: final hidden
+        states the update's forwards read (see ``receive_step``). Only the nodes in neither
+        run through the policy (with tree packing, none: every node is in some mini-batch;
+        per-leaf rows read no nodes)."""
+        tic = time.perf_counter()
         with torch.no_grad():
-            feats = self.featuriser.nodes(self.policy, step.trees, known=known)
+            feats = self.featuriser.nodes(self.policy, step.trees, known=known, hidden=hidden)
         batch = all_gather_batch(training_batch(step.trees, feats), self.trainer)
         self.replay.add(batch)
         self.predictor_nodes_seen += len(batch.value)
@@ -369,7 +388,8 @@ class TraceModule(L.LightningModule):
         if self.history is not None:
             self._predictor_stats["predictor/history_prompts"] = float(len(self.history))
         if self._trainer is not None:  # once per RL step (self.log would repeat it per step)
-            log_scalars(self.trainer, self._predictor_stats)
+            log_scalars(self.trainer, {**self._predictor_stats,
+                                       "perf/predictor_fit_s": time.perf_counter() - tic})
 
     # ---- training -----------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -390,9 +410,12 @@ class TraceModule(L.LightningModule):
         ratio_max = zero
         # the rollouts' sampling temperature: their log-probs are the engine's at it
         tau = float(batch.get("temperature", 1.0))
+        # the nodes' final hidden states, for the predictor's fit after the update
+        read = (self._pending[2] if self._pending is not None
+                and self.featuriser.kind == "hidden" else None)
         for mb in batch["micro"]:
             logp, entropy = self._logprobs(self.policy, mb, with_entropy=True,
-                                           temperature=tau)  # (B, T) each
+                                           temperature=tau, features=read)  # (B, T) each
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -435,6 +458,10 @@ class TraceModule(L.LightningModule):
                 scheduler.step()
         grad_norm = self._grad_norm
         opt.zero_grad(set_to_none=True)
+        if batch.get("step_end") and self._pending is not None:
+            step, known, hidden = self._pending
+            self._pending = None
+            self.train_predictor(step, known, hidden)
         tokens, total_loss = values.pop("tokens"), values.pop("loss")
         ratio_max = values.pop("ratio_max")
         metrics = {f"train/{k}": v / max(tokens, 1.0) for k, v in values.items()}
@@ -467,7 +494,8 @@ class TraceModule(L.LightningModule):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     @staticmethod
-    def _logprobs(model, mb: dict, with_entropy: bool = False, temperature: float = 1.0):
+    def _logprobs(model, mb: dict, with_entropy: bool = False, temperature: float = 1.0,
+                  features: dict | None = None):
         """Token log-probs (and entropies) of a collated micro-batch, ``(B, T)`` each, on its
         policy tokens (0 elsewhere: the loss reads nothing else), at the ``temperature`` the
         rollouts were sampled at (the engines' log-probs are of that distribution).
@@ -483,6 +511,8 @@ class TraceModule(L.LightningModule):
           built; prompt and observation tokens are often most of a search agent's
           sequence. The head runs inside the model's own forward, where an FSDP root has
           its parameters gathered and in the compute dtype.
+        - ``features``: a packed micro-batch's node features are read into this dict from
+          the same hidden states (``take_node_features``), the predictor's input for free.
         """
         ids = mb["input_ids"]  # (B, T)
         b, t = mb["policy_mask"].bool().nonzero(as_tuple=True)  # (M,) each: policy tokens
@@ -491,7 +521,12 @@ class TraceModule(L.LightningModule):
         if head is None:
             raise TypeError(f"{type(model).__name__} has no output embedding (LM head) to run "
                             f"on policy rows; --model.policy_path must be a causal LM with one")
-        hook = head.register_forward_pre_hook(lambda _, args: (args[0][b, src],))
+        def policy_rows(_, args):
+            if features is not None and "node_ends" in mb:
+                take_node_features(args[0], mb, features)  # (R, T, D) final hidden states
+            return (args[0][b, src],)
+
+        hook = head.register_forward_pre_hook(policy_rows)
         try:
             logits = model(input_ids=ids, use_cache=False,
                            **attention_inputs(model, mb)).logits  # (M, V): policy rows

@@ -281,8 +281,12 @@ def collate_units(rows: Sequence[Sequence[TreeUnit]], pad_id: int) -> dict[str, 
 
     Returns ``input_ids``, ``position_ids``, ``subtree_end``, ``prev`` (long),
     ``policy_mask``, ``old_logprobs`` (float32), the weights of :data:`WEIGHT_KEYS` (float64;
-    0 where a unit has none), and ``offsets`` ``(U, 2)``: each unit's row and first index. A padding token sees itself alone (``subtree_end = i + 1``), so no
-    attention row is empty.
+    0 where a unit has none), ``offsets`` ``(U, 2)``: each unit's row and first index, and
+    where each node's prefix ends (the token whose final hidden state is its predictor
+    feature): ``node_keys``, one ``(tree_id, node_id)`` per node of every unit, and
+    ``node_ends`` ``(N, 2)``, its row and index, in the same order (a node in several units
+    of a split tree is listed once per unit). A padding token sees itself alone
+    (``subtree_end = i + 1``), so no attention row is empty.
     """
     if not rows or not all(rows):
         raise ValueError("collate_units needs at least one unit in every row")
@@ -296,6 +300,8 @@ def collate_units(rows: Sequence[Sequence[TreeUnit]], pad_id: int) -> dict[str, 
     # float64: sums of several leaves' float32 advantages, kept exact
     out |= {k: torch.zeros((r, t), dtype=torch.float64) for k in WEIGHT_KEYS}  # (R, T) each
     offsets: list[tuple[int, int]] = []
+    keys: list[tuple[str, int]] = []
+    ends: list[tuple[int, int]] = []
     nodes: list[list[tuple[int, int, list[int]]]] = []  # per row: node_plan's input
     for b, row in enumerate(rows):
         o = 0
@@ -311,9 +317,13 @@ def collate_units(rows: Sequence[Sequence[TreeUnit]], pad_id: int) -> dict[str, 
             for k, v in (u.weights or {}).items():
                 out[k][b, s] = torch.from_numpy(v)
             offsets.append((b, o))
+            keys += [(u.tree_id, nid) for nid in u.last]
+            ends += [(b, o + pos) for pos in u.last.values()]
             nodes[b] += node_paths(u, o)
             o += len(u)
     out["offsets"] = torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)  # (U, 2)
+    out["node_keys"] = keys
+    out["node_ends"] = torch.tensor(ends, dtype=torch.long).reshape(-1, 2)  # (N, 2)
     out["tree_nodes"] = node_plan(nodes, t)
     return out
 
