@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.run} holds no TensorBoard event files; pass a run's folder, "
                          f"e.g. runs/demo/tensorboard/version_0")
     chromedriver()  # installed, before TensorBoard starts
+    code = commit()  # before the picture is written, which would make the tree dirty
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     board = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir",
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         board.terminate()
         board.wait(timeout=30)
-    meta = {"run": str(args.run), "commit": commit(),
+    meta = {"run": str(args.run), "commit": code,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "tags": args.tags, "metrics_md_sha256": metrics_digest()}
     args.out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
