@@ -368,8 +368,9 @@ class TraceModule(L.LightningModule):
 
         ``known``: features the rollout's predictions computed; ``hidden``: final hidden
         states the update's forwards read (see ``receive_step``). Only the nodes in neither
-        run through the policy (with tree packing, none: every node is in some mini-batch;
-        per-leaf rows read no nodes)."""
+        run through the policy, at its weights after the update: with tree packing none
+        (every node is in some mini-batch) unless a run resumed mid-step skipped some;
+        per-leaf rows read no nodes."""
         tic = time.perf_counter()
         with torch.no_grad():
             feats = self.featuriser.nodes(self.policy, step.trees, known=known, hidden=hidden)
