@@ -95,7 +95,7 @@ def rows() -> list[str]:
     # The learning benchmark at the demo's budget: the first world build, then the second
     # (with the demo's beliefs and without); then the first at half the demo's leaves per step
     # and at twice its steps; then the third build against a GRPO that fits no predictor
-    # (the times before it charge GRPO for one).
+    # (the times before it charge GRPO for one), trace's predictor fed by the update.
     second = "the-demos-budget-on-the-second-build"
     for name, what, anchor in (
             ("learning.json", "Learning: trace against GRPO, demo budget, first build",
@@ -110,9 +110,10 @@ def rows() -> list[str]:
             ("learning_e16.json",
              "Learning: trace against GRPO, twice the demo's steps (16 epochs), first build",
              "twice-the-steps-16-epochs-at-the-demos-budget"),
-            ("learning_world3_no_predictor.json",
-             "Learning: trace against a GRPO that fits no predictor, demo budget, third build "
-             "(an Intel CPU)", "a-grpo-run-pays-for-no-predictor")):
+            ("learning_world3_update_features.json",
+             "Learning: trace against a GRPO that fits no predictor, trace's predictor reading "
+             "the update's forward, demo budget, third build (an Intel CPU)",
+             "the-continuations-features-read-from-the-updates-forward")):
         r = _load(name)
         if not (r and {"uniform", "trace"} <= set(r["methods"])):
             continue
