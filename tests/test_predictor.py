@@ -619,6 +619,7 @@ def _uneven_ranks_worker(rank: int, world: int, out_dir: str) -> None:
         torch.save({"features": batch.features, "value": batch.value, "head_rows": head_rows,
                     "plain": training_batch(trees, node_features(plain, trees, 8)).features},
                    f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # tear the group down together (one rank alone can abort in gloo)
     finally:
         dist.destroy_process_group()
 
