@@ -110,7 +110,7 @@ def rows() -> list[str]:
             ("learning_e16.json",
              "Learning: trace against GRPO, twice the demo's steps (16 epochs), first build",
              "twice-the-steps-16-epochs-at-the-demos-budget"),
-            ("learning_world3_update_features.json",
+            ("learning_world3_update_features_15.json",
              "Learning: trace against a GRPO that fits no predictor, trace's predictor reading "
              "the update's forward, demo budget, third build (an Intel CPU)",
              "the-continuations-features-read-from-the-updates-forward")):
