@@ -136,18 +136,28 @@ def _tips(tree: RolloutTree) -> list[int]:
 def take_node_features(hidden: Tensor, batch: dict, into: dict[NodeKey, Tensor]) -> None:
     """Read the features of a packed micro-batch's nodes (``tree_packing.collate_units``)
     from its final hidden states ``hidden`` ``(R, T, D)`` into ``into``: {(tree_id, node_id):
-    (D,) float32 on the CPU}. A node already in ``into`` keeps its value, so a node in
-    several units of a split tree is read from the first, and features computed earlier
-    stay. The update's forward reads the same positions (``TraceModule._logprobs``)."""
+    (D,) float32, on ``hidden``'s device: no host sync inside a forward; ``on_cpu`` moves
+    them in one copy}. A node already in ``into`` keeps its value, so a node in several units
+    of a split tree is read from the first, and features computed earlier stay. The update's
+    forward reads the same positions (``TraceModule._logprobs``)."""
     # tuples again: a DataLoader's default conversion turns them into lists
     keys = [(tree_id, int(node_id)) for tree_id, node_id in batch["node_keys"]]
     new = [i for i, k in enumerate(keys) if k not in into]
     if not new:
         return
     pick = batch["node_ends"].to(hidden.device)[torch.tensor(new, device=hidden.device)]
-    feats = hidden[pick[:, 0], pick[:, 1]].detach().float().cpu()  # (K, D)
+    feats = hidden[pick[:, 0], pick[:, 1]].detach().float()  # (K, D)
     for i, f in zip(new, feats):
         into.setdefault(keys[i], f)  # (D,)
+
+
+def on_cpu(feats: dict[NodeKey, Tensor]) -> dict[NodeKey, Tensor]:
+    """``feats`` with every vector on the CPU, those elsewhere moved in one copy."""
+    away = [k for k, v in feats.items() if v.device.type != "cpu"]
+    if not away:
+        return feats
+    moved = torch.stack([feats[k] for k in away]).cpu()  # (K, D)
+    return {**feats, **dict(zip(away, moved))}
 
 
 def node_features(policy: PreTrainedModel, trees: list[RolloutTree], batch_tokens: int,
@@ -177,14 +187,14 @@ def node_features(policy: PreTrainedModel, trees: list[RolloutTree], batch_token
                              f"reads the prompt's last token")
         tips = [tip for tip in _tips(tree)
                 if any((tree.tree_id, n.id) not in out for n in tree.path(tip))]
-        units += [layout(tree, ends) for ends in split_ends(tree, tips, batch_tokens)] \
-            if tips else []
+        if tips:
+            units += [layout(tree, ends) for ends in split_ends(tree, tips, batch_tokens)]
     batches = [collate_units([[units[j] for j in row] for row in rows], pad_id=0)
                for rows in pack_rows([len(u) for u in units], batch_tokens)]
     inputs = [{k: b[k] for k in ("input_ids", "position_ids", "subtree_end", "tree_nodes")}
               for b in batches]  # what the forward reads
     _hidden_states(policy, inputs, lambda g, hidden: take_node_features(hidden, batches[g], out))
-    return out
+    return on_cpu(out)
 
 
 def prompt_features(policy: PreTrainedModel, prompt_ids: list[list[int]],
@@ -320,8 +330,8 @@ class Featuriser:
         fresh ones."""
         known = known or {}
         if self.kind == "hidden":
-            read = {k: v for k, v in (hidden or {}).items() if k not in known}
-            out = node_features(policy, trees, self.batch_tokens, known={**read, **known})
+            out = node_features(policy, trees, self.batch_tokens,
+                                known={**(hidden or {}), **known})
         else:
             out = {**bag_node_features(trees, self.buckets), **known}
         if self.confidence:
@@ -361,5 +371,5 @@ class Featuriser:
 __all__ = [
     "CONFIDENCE_DIM", "Featuriser", "FeaturiserKind", "NodeKey", "bag_node_features",
     "bag_prompt_features", "confidence_features", "confidence_of", "node_features",
-    "prompt_features", "take_node_features",
+    "on_cpu", "prompt_features", "take_node_features",
 ]
