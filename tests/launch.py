@@ -1,5 +1,6 @@
-"""Helpers for tests that start processes: a free local port, and ranks started side by side
-as torchrun or srun would (Lightning sees LOCAL_RANK and joins them instead of launching)."""
+"""Helpers for tests that start processes: a free local port, ranks started side by side
+as torchrun or srun would (Lightning sees LOCAL_RANK and joins them instead of launching), and
+the end of a spawned rank's process group."""
 
 from __future__ import annotations
 
@@ -45,3 +46,13 @@ def run_ranks(script: Path, args: list[str], cwd: Path, world: int = 2,
                 p.kill()
                 p.communicate()
     return results
+
+
+def leave_group() -> None:
+    """End a spawned rank's process group together with the other ranks: they meet at a
+    barrier first, because a gloo group destroyed on one rank while another still talks to it
+    can abort that rank at teardown ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

@@ -9,6 +9,7 @@ import torch
 
 from trace_lightning.training.packing import collate, pack_microbatches, padding_share, split_minibatches
 from trace_lightning.tree import LeafSequence
+from launch import leave_group
 
 
 def seq(n: int, k: int = 0, prompt: int = 2) -> LeafSequence:
@@ -151,7 +152,7 @@ def _equalise_worker(rank: int, world: int, out_dir: str) -> None:
         torch.save([(len(m["micro"]), m["normalizer"], m["n_tokens"]) for m in out],
                    f"{out_dir}/rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def test_minibatches_over_two_ranks_share_one_token_mean(tmp_path):

@@ -28,6 +28,7 @@ from trace_lightning.allocation.predictor import (
     weighted_squared_error,
 )
 from trace_lightning.tree import RolloutTree, write_jsonl
+from launch import leave_group
 
 A, B, SEP, EOP = 1, 2, 3, 4  # key tokens, end of observation, end of prompt; filler 8..63
 
@@ -619,9 +620,8 @@ def _uneven_ranks_worker(rank: int, world: int, out_dir: str) -> None:
         torch.save({"features": batch.features, "value": batch.value, "head_rows": head_rows,
                     "plain": training_batch(trees, node_features(plain, trees, 8)).features},
                    f"{out_dir}/rank{rank}.pt")
-        dist.barrier()  # tear the group down together (one rank alone can abort in gloo)
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def test_ranks_with_uneven_trees_featurise_and_gather_under_fsdp(tmp_path):

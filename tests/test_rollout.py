@@ -33,6 +33,7 @@ from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, RetrieverEr
 from trace_lightning.rollout.agent import AgentLoop, Start
 from trace_lightning.allocation.allocators import bare_reward
 from trace_lightning.tree import Budget, RolloutTree
+from launch import leave_group
 
 BLOCK = 32  # the engine's KV block; the prefix cache reuses whole blocks only
 SAMPLING = SamplingConfig(temperature=1.0, max_tokens=24)
@@ -680,7 +681,7 @@ def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, 
         # it first, so that the group goes here.
         del wrapped, predict, loop
         gc.collect()
-        dist.destroy_process_group()
+        leave_group()
 
 
 def test_ranks_branch_on_turns_of_their_own_and_still_meet(model_dir, shared_data, bm25,

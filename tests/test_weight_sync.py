@@ -19,6 +19,7 @@ from trace_lightning.rollout.engines import (
     sync_weights,
 )
 from trace_lightning.models import build_tiny_from_corpus
+from launch import leave_group
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +185,7 @@ def _fsdp2_worker(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     weights = dict(policy_weights(model))
     logprobs = policy_logprobs(model, make_probe(vocab_size=1024, length=32))
     torch.save({"weights": weights, "logprobs": logprobs}, f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_policy_weights_gathered_from_fsdp2_shards(model_dir, policy, tmp_path):
@@ -243,7 +244,7 @@ def _fsdp1_worker(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     after = dict(policy_weights(model))
     torch.save({"before": before, "after": after, "gathered_by": gathered_by},
                f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_policy_weights_gathered_one_fsdp1_unit_at_a_time(model_dir, policy, tmp_path):
@@ -373,7 +374,7 @@ def _failing_engine_worker(rank: int, world: int, model_dir: str, out_dir: str) 
     # the GIL abort the process (see test_rollout's _stage_two_rank_worker)
     del model, engine
     gc.collect()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_an_engine_failing_on_one_rank_stops_every_rank(model_dir, tmp_path):
