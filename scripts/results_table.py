@@ -85,7 +85,9 @@ def _own_rates(r: dict) -> str:
             reached = v["vs_uniform"]["cost_ratio_interval"]["tokens"]["reached_share"]
             cells.append(f"{m} at {rate(m)} - GRPO {_paired(v['vs_uniform']['final_eval'])}, "
                          f"its mean curve at GRPO's final in {reached:.0%} of seed resamplings")
-    return (f"{len(r['seeds'])} seeds x {r['epochs']} epochs at the demo's budget; final "
+    leaves = u["leaves_per_step"]
+    budget = "the demo's budget" if leaves == 256 else f"{leaves:.0f} leaves per step"
+    return (f"{len(r['seeds'])} seeds x {r['epochs']} epochs at {budget}; final "
             f"held-out accuracy ({r['final_samples']} samples per question) " + "; ".join(cells))
 
 
@@ -145,7 +147,10 @@ def rows() -> list[str]:
              "first build", "a-larger-learning-rate-25x-the-demos"),
             ("learning_e16_oracle.json",
              "Learning: trace and the oracle against GRPO, 16 epochs, first build, an AVX-512 CPU",
-             "the-oracle-for-16-epochs")):
+             "the-oracle-for-16-epochs"),
+            ("learning_world3_64.json",
+             "Learning: the oracle and trace against GRPO at 64 leaves per step, third build",
+             "the-oracle-at-64-leaves-per-step-on-the-third-build")):
         r = _load(name)
         if r and "uniform" in r["methods"]:
             out.append(_row(what, _own_rates(r), name, r, anchor))
