@@ -146,7 +146,7 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
     assert not [k for k in always if k not in sa], [k for k in always if k not in sa]
     # and the module's own keys are all in it
     listed = {r[1].strip().strip("`") for r in rows}
-    unlisted = [k for k in sa if k.startswith(("train/", "predictor/")) and k not in listed]
+    unlisted = [k for k in sa if k.startswith(("train/", "predictor/", "rollout_correction/")) and k not in listed]
     assert not unlisted, unlisted
     # equal sampling cost: every step spends roots * (1 + continuations) leaves
     assert sa["alloc/leaves"] == [16.0, 16.0]

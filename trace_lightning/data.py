@@ -411,6 +411,8 @@ class TraceDataModule(L.LightningDataModule):
             with fail_together("writing the step's trees (--data.trees_dir)", self._any_failed):
                 write_jsonl(step.trees, Path(self.trees_dir) / f"epoch_{epoch}_rank_{rank}.jsonl")
         batches = self._batches(step)
+        # at the step's start weights: what the update's rollout correction reads of them
+        learner_of(self.trainer).prepare_update(batches)
         # the step's sampling phase: weight sync, rollouts and batching
         self.timings["sample"] = time.perf_counter() - tic
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)

@@ -14,6 +14,8 @@ it), never through attributes looked up on ``trainer.lightning_module``:
   marks ``step_end`` (its last of the step), so the update's forwards can feed it;
 - say whether a checkpoint's predictor fits this run (``check_checkpoint_predictor``),
   before the engine starts;
+- take the step's mini-batches before the update, at the step's start weights
+  (``prepare_update``: the rollout correction's log-probs of the later mini-batches);
 - say whether its predictions read the task's description of each prompt
   (``reads_prompt_features``: then new trees carry ``Task.prompt_features``).
 """
@@ -50,6 +52,10 @@ class Learner(Protocol):
     def check_checkpoint_predictor(self, state_dict: dict) -> None:
         """A ValueError naming the settings when a checkpoint's predictor does not fit."""
 
+    def prepare_update(self, batches: list[dict]) -> None:
+        """Given the step's mini-batches before its update, at the step's start weights
+        (the rollout correction's log-probs of the later mini-batches)."""
+
 
 def learner_of(trainer) -> Learner:
     """The trainer's LightningModule as a ``Learner``; a TypeError naming what it lacks."""
@@ -57,7 +63,7 @@ def learner_of(trainer) -> Learner:
     if not isinstance(module, Learner):
         missing = [name for name in ("predictor_nodes_seen", "reads_prompt_features",
                                      "sync_to_engine", "predict_trees", "receive_step",
-                                     "check_checkpoint_predictor")
+                                     "check_checkpoint_predictor", "prepare_update")
                    if not hasattr(module, name)]
         raise TypeError(f"TraceDataModule needs a LightningModule that implements "
                         f"trace_lightning.learner.Learner (as TraceModule does); "

@@ -29,6 +29,7 @@ from trace_lightning.rollout.step import RolloutStep
 from trace_lightning.collectives import all_gather_batch, all_gather_list
 from trace_lightning.rollout.engines.sync import sync_weights
 from trace_lightning.allocation.history import PromptHistory
+from trace_lightning.allocation.posterior import PrefixPosterior
 from trace_lightning.logs import log_scalars
 from trace_lightning.math.loss import selected_token_logprobs, weighted_policy_loss
 from trace_lightning.allocation.features import Featuriser, take_node_features
@@ -37,6 +38,8 @@ from trace_lightning.allocation.predictor import (ReplayBuffer, SuccessPredictor
 from trace_lightning.tree import RolloutTree
 from trace_lightning.training.tree_attention import TREE_SDPA, attention_inputs
 from trace_lightning.training.tree_packing import WEIGHT_KEYS
+from trace_lightning.math.rollout_correction import RolloutIS, RolloutRS
+from trace_lightning.training.rollout_correction import RolloutCorrection, start_logprobs
 
 
 
@@ -100,6 +103,10 @@ class TraceModule(L.LightningModule):
         replay_steps: steps of tree nodes kept for the predictor.
         history: update root predictions with each prompt's own past outcomes (a
             ``PromptHistory``: prompts revisited across epochs); None: the predictor alone.
+        prefix_outcomes: update each prefix's prediction with what stage 2 has seen of its
+            prompt: its own bare rollout's reward and its siblings' (a ``PrefixPosterior``
+            fitted on the last ``replay_steps`` steps' continuations); False: the predictor
+            alone.
         gradient_checkpointing: trade compute for memory in the policy.
         lr_warmup_steps: raise the policy's lr linearly over its first this many optimizer
             steps (0: full lr from the first step).
@@ -117,6 +124,20 @@ class TraceModule(L.LightningModule):
             "sdpa"), "sdpa" (a packed tree's nodes each attend their root path in one SDPA
             call, ``trace_lightning.training.tree_attention``; per-leaf rows plain causal SDPA) or
             "flex_attention".
+        rollout_is: rollout correction's importance weights (verl's
+            ``rollout_correction.rollout_is``): "token" or "sequence" truncated IS of
+            ``pi_old / pi_rollout`` (trainer at the step's start over sampler), or null (none);
+            any correction on makes the loss's ratio ``pi / pi_old``
+            (``trace_lightning.training.rollout_correction``). The mismatch is logged either
+            way (``rollout_correction/*``).
+        rollout_is_threshold: truncation ``C`` of the IS weights; the mismatch's
+            ``share_past_bound`` counts ratios outside ``[1/C, C]``.
+        rollout_rs: rejection (masked IS): "token", "sequence" or "geometric" (a leaf's
+            mean log-ratio), or null (none).
+        rollout_rs_threshold: upper bound of the kept ratios (null: ``rollout_is_threshold``).
+        rollout_rs_threshold_lower: lower bound (null: 1 / upper).
+        rollout_token_veto_threshold: drop a leaf holding a token whose ratio is below this
+            (null: no veto).
     """
 
     def __init__(self, policy_path: str, dtype: str = "float32", lr: float = 1e-5,
@@ -128,10 +149,18 @@ class TraceModule(L.LightningModule):
                  predictor_lr: float = 1e-3, predictor_epochs: int = 4,
                  predictor_batch_size: int = 256, predictor_holdout: float = 0.2,
                  replay_steps: int = 4, history: PromptHistory | None = None,
+                 prefix_outcomes: bool = False,
                  gradient_checkpointing: bool = False, lr_warmup_steps: int = 0,
                  compile_layers: bool = False, tree_packing: bool = True,
-                 attention: AttentionKind = "auto"):
+                 attention: AttentionKind = "auto", rollout_is: RolloutIS | None = None,
+                 rollout_is_threshold: float = 2.0, rollout_rs: RolloutRS | None = None,
+                 rollout_rs_threshold: float | None = None,
+                 rollout_rs_threshold_lower: float | None = None,
+                 rollout_token_veto_threshold: float | None = None):
         super().__init__()
+        self.correction = RolloutCorrection(rollout_is, rollout_is_threshold, rollout_rs,
+                                            rollout_rs_threshold, rollout_rs_threshold_lower,
+                                            rollout_token_veto_threshold)
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"--model.attention ({attention!r}): expected one of "
                              f"{', '.join(map(repr, ATTENTION_KINDS))}")
@@ -166,6 +195,7 @@ class TraceModule(L.LightningModule):
         self.featuriser = featuriser or Featuriser()
         self.replay = ReplayBuffer(replay_steps)
         self.history = history
+        self.posterior = PrefixPosterior(window=replay_steps) if prefix_outcomes else None
         self.predictor_nodes_seen = 0
         self.policy: PreTrainedModel | None = None
         self.reference: PreTrainedModel | None = None
@@ -327,6 +357,15 @@ class TraceModule(L.LightningModule):
         self._last_sync = (engine, probe, synced.policy_logprobs)
         return synced.diff
 
+    def prepare_update(self, batches: list[dict]) -> None:
+        """Before the step's update, at its start weights (the DataModule calls it with the
+        step's mini-batches): with rollout correction on, the micro-batches after the first
+        mini-batch get the policy's log-probs now (``rollout_correction.start_logprobs``);
+        off, nothing runs."""
+        if self.correction.on:
+            start_logprobs(lambda mb, tau: self._logprobs(self.policy, mb, temperature=tau)[0],
+                           batches, self.device)
+
     @property
     def reads_prompt_features(self) -> bool:
         """Whether the featuriser appends the task's description of each prompt."""
@@ -341,6 +380,8 @@ class TraceModule(L.LightningModule):
         feats = self.featuriser.nodes(self.policy, trees, known=self._known_features())
         self._step_features = (self.global_step, feats)
         predict_nodes(self.predictor, trees, feats)
+        if self.posterior is not None:
+            self.posterior.adjust(trees)
         if self.history is not None:
             self.history.adjust(trees, self.current_epoch)
 
@@ -388,6 +429,9 @@ class TraceModule(L.LightningModule):
                                               generator=gen, holdout=h.predictor_holdout)
         if self.history is not None:
             self._predictor_stats["predictor/history_prompts"] = float(len(self.history))
+        if self.posterior is not None:
+            self._predictor_stats.update(self.posterior.fit(
+                all_gather_list(self.posterior.scored(step.trees), self.trainer)))
         if self._trainer is not None:  # once per RL step (self.log would repeat it per step)
             log_scalars(self.trainer, {**self._predictor_stats,
                                        "perf/predictor_fit_s": time.perf_counter() - tic})
@@ -409,6 +453,8 @@ class TraceModule(L.LightningModule):
         zero = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor] = {"loss": zero, "tokens": zero}  # stats: token-weighted
         ratio_max = zero
+        # the rollout correction's extremes over the mini-batch (min kept as max of -min)
+        extremes: dict[str, torch.Tensor] = {}
         # the rollouts' sampling temperature: their log-probs are the engine's at it
         tau = float(batch.get("temperature", 1.0))
         # the nodes' final hidden states, for the predictor's fit after the update
@@ -422,7 +468,10 @@ class TraceModule(L.LightningModule):
                 with torch.no_grad():
                     ref, _ = self._logprobs(self.reference, mb, temperature=tau)  # (B, T)
             weights = {k: mb[k] for k in WEIGHT_KEYS}  # (B, T) each: (leaf, token) pairs
-            loss, stats = weighted_policy_loss(logp, mb["old_logprobs"], weights,
+            # the mismatch at the step's start weights; with correction on, pi_old and weights
+            old, corrected, rc = self.correction.apply(mb, logp, first=batch_idx == 0)
+            weights = corrected if corrected is not None else weights
+            loss, stats = weighted_policy_loss(logp, old, weights,
                                                clip_low=h.clip_low, clip_high=h.clip_high,
                                                dual_clip=h.dual_clip, ref_logprobs=ref,
                                                kl_coef=h.kl_coef, normalizer=normalizer,
@@ -431,7 +480,14 @@ class TraceModule(L.LightningModule):
             w = stats.pop("tokens")
             r = stats.pop("ratio_max")
             ratio_max = torch.maximum(ratio_max, r)
-            parts = {k: v * w for k, v in stats.items()} | {"loss": loss.detach(), "tokens": w}
+            for k in ("max_ratio", "min_ratio"):
+                if (key := f"rollout_correction/{k}") in rc:
+                    v = rc.pop(key).float() * (1 if k == "max_ratio" else -1)
+                    extremes[key] = torch.maximum(extremes.get(key, v), v)
+            rc_pairs = rc.pop("rollout_correction/pairs", None)
+            # the correction's stats are means over the same pairs as the loss's (w)
+            parts = ({k: v * w for k, v in stats.items()} | {"loss": loss.detach(), "tokens": w}
+                     | {k: v.float() * rc_pairs.float() for k, v in rc.items()})
             for k, v in parts.items():
                 sums[k] = sums.get(k, zero) + v
         totals = torch.stack(list(sums.values()))  # (K,): token-weighted sums, loss, tokens
@@ -441,9 +497,14 @@ class TraceModule(L.LightningModule):
             # logged from rank 0 alone); a NaN anywhere then stops every rank alike
             torch.distributed.all_reduce(totals)
             torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX)
+            for v in extremes.values():  # the same keys on every rank (the same batch_idx)
+                torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MAX)
             totals[list(sums).index("loss")] /= world  # DDP averages the ranks' gradients
-        values = dict(zip([*sums, "ratio_max"],
-                          torch.cat([totals, ratio_max[None]]).tolist()))  # one host sync
+        values = dict(zip([*sums, "ratio_max", *extremes],
+                          torch.cat([totals, ratio_max[None],
+                                     *(v[None] for v in extremes.values())]).tolist()))  # one sync
+        extremes = {k: (v if k.endswith("max_ratio") else -v)
+                    for k, v in ((k, values.pop(k)) for k in list(extremes))}
         if not math.isfinite(values["loss"]):
             opt.zero_grad(set_to_none=True)
             raise FloatingPointError(
@@ -465,7 +526,8 @@ class TraceModule(L.LightningModule):
             self.train_predictor(step, known, hidden)
         tokens, total_loss = values.pop("tokens"), values.pop("loss")
         ratio_max = values.pop("ratio_max")
-        metrics = {f"train/{k}": v / max(tokens, 1.0) for k, v in values.items()}
+        metrics = {(k if "/" in k else f"train/{k}"): v / max(tokens, 1.0)
+                   for k, v in values.items()} | extremes
         metrics.update({"train/loss": total_loss, "train/grad_norm": float(grad_norm),
                         "train/policy_tokens": tokens, "train/ratio_max": ratio_max,
                         "train/lr": lr})
@@ -549,7 +611,9 @@ class TraceModule(L.LightningModule):
                                                        if self._predictor_opt is None
                                                        else self._predictor_opt.state_dict()),
                                "history": (self.history.state_dict()
-                                           if self.history is not None else None)}
+                                           if self.history is not None else None),
+                               "posterior": (self.posterior.state_dict()
+                                             if self.posterior is not None else None)}
 
     def new_predictor(self, config) -> SuccessPredictor:
         """A fresh predictor for a policy of this ``config`` (its width is the featuriser's)."""
@@ -602,6 +666,8 @@ class TraceModule(L.LightningModule):
         self._predictor_stats = state["predictor_stats"]
         if self.history is not None and state.get("history") is not None:
             self.history.load_state_dict(state["history"])
+        if self.posterior is not None and state.get("posterior") is not None:
+            self.posterior.load_state_dict(state["posterior"])
 
 
 def compile_decoder_layers(model: PreTrainedModel) -> int:

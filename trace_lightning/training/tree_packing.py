@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from trace_lightning.training.packing import split_balanced
+from trace_lightning.training.rollout_correction import collate_pairs, leaf_pairs
 from trace_lightning.tree import LeafSequence, RolloutTree
 from trace_lightning.training.tree_attention import node_plan
 
@@ -64,6 +65,9 @@ class TreeUnit:
     # the update's per-token weights over the unit's leaves (see leaf_weights); None for
     # feature units
     weights: dict[str, np.ndarray] | None = field(default=None)
+    # its (leaf, token) pairs: (leaf, index, advantage), (P,) each, for per-leaf weights
+    # (``rollout_correction.leaf_pairs``); None for feature units
+    pairs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -213,6 +217,7 @@ def update_units(tree: RolloutTree, leaves: Sequence[LeafSequence],
     for ends in split_ends(tree, [s.leaf_id for s in leaves], max_tokens):
         unit = layout(tree, ends)
         unit.weights = leaf_weights(unit, tree, [by_id[e] for e in ends])
+        unit.pairs = leaf_pairs(unit, tree, [by_id[e] for e in ends])
         units.append(unit)
     return units
 
@@ -223,6 +228,9 @@ def tree_minibatches(units: Sequence[Sequence[TreeUnit]], n_minibatches: int,
     by tokens forwarded), each a list of packed micro-batches (``micro``) and its (leaf,
     policy token) pairs (``n_tokens``, the token-mean's divisor, as per leaf).
 
+    Each micro-batch also lists its (leaf, token) pairs (``rollout_correction.collate_pairs``:
+    ``pair_row``, ``pair_pos``, ``pair_leaf``, ``pair_adv``), for per-leaf correction weights.
+
     Args:
         units: each tree's update units (``update_units``).
     """
@@ -230,8 +238,12 @@ def tree_minibatches(units: Sequence[Sequence[TreeUnit]], n_minibatches: int,
     sizes = [sum(len(u) for u in us) for us in units]
     for idx in split_balanced(sizes, n_minibatches, seed=seed):
         mini = [u for i in idx for u in units[i]]
-        micro = [collate_units([[mini[j] for j in row] for row in rows], pad_id)
-                 for rows in pack_rows([len(u) for u in mini], max_tokens)]
+        micro = []
+        for rows in pack_rows([len(u) for u in mini], max_tokens):
+            m = collate_units([[mini[j] for j in row] for row in rows], pad_id)
+            if all(mini[j].pairs is not None for row in rows for j in row):
+                m |= collate_pairs([mini[j] for row in rows for j in row], m["offsets"])
+            micro.append(m)
         pairs = sum(float(u.weights["count"].sum()) for u in mini)
         out.append({"micro": micro, "n_tokens": pairs})
     return out
