@@ -24,11 +24,26 @@ both layouts (the same objective: equal to float32 rounding). Layouts alternate 
 
 Ends with one JSON line: ``trace_tokens_ratio``, ``trace_time_ratio``,
 ``uniform_tokens_ratio``, ``uniform_time_ratio``, ``search_r1_*`` (packed / per-leaf).
+
+``--memory`` measures instead how memory grows with a packed row's length: for each of
+``--memory-tokens``, one row of exactly that many tokens (Search-R1-shaped trees as above,
+split at subtree boundaries to fit, the rest filled by a one-leaf tree), forward and backward
+of the loss once in a fresh process, on a random-weight policy of the demo's shape
+(``DEFAULT_MODEL``, vocabulary 512, float32, ``tree_sdpa``). The figure is the process's peak
+RSS (``VmHWM``, MB; the model, the interpreter and torch included, their share in
+``rss_before_forward_mb``). It merges ``{"<tokens>": peak_mb}`` under ``--memory-key`` into
+``--out``, other keys kept, and ends with one JSON line of the memory figures:
+
+    python benchmarks/update.py --memory                               # memory_by_tokens
+    git worktree add /tmp/before <commit>                              # the code before
+    PYTHONPATH=/tmp/before python benchmarks/update.py --memory \
+        --memory-key memory_by_tokens_before                            # its library
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -73,6 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/results/update.json",
                    help="also write the JSON line here (the published figures' file)")
+    p.add_argument("--memory", action="store_true",
+                   help="measure peak memory per packed row length instead (module doc)")
+    p.add_argument("--memory-tokens", default="2048,4096,8192,16384",
+                   help="--memory: comma list of packed row lengths, one process each")
+    p.add_argument("--memory-key", default="memory_by_tokens",
+                   help="--memory: the key of --out to write (memory_by_tokens_before for "
+                        "the code before a change, run with its library on PYTHONPATH)")
+    p.add_argument("--memory-row", type=int, default=None, help=argparse.SUPPRESS)  # a child
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # a child: this set
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # a child: this layout
     return p.parse_args(argv)
@@ -202,6 +225,113 @@ def measure(args) -> dict:
             "step_loss": step_loss, "threads": torch.get_num_threads()}
 
 
+# ---- memory by packed row length ---------------------------------------------------------
+MEMORY_VOCAB = 512  # the demo's tokenizer size (prepare_demo's vocab_size)
+
+
+def packed_row(tokens: int, seed: int) -> dict:
+    """One collated micro-batch of one row of exactly ``tokens`` tokens: units of
+    Search-R1-shaped trees (``search_r1_trees``, split to fit) while they fit, then a
+    one-leaf tree of the rest (a prompt and one policy token)."""
+    from trace_lightning.training.tree_packing import collate_units
+
+    units, used, k = [], 0, 0
+    while tokens - used >= 1950 and k < 64:  # room for a leaf path: try another tree
+        (tree,) = search_r1_trees(MEMORY_VOCAB, seed * 1000 + k, prompts=1)
+        tree.tree_id = f"t{k}"
+        k += 1
+        leaves = tree.flatten()
+        for s, adv in zip(leaves, assign_advantages(leaves, [tree], "grpo")):
+            s.token_advantages = adv
+        for u in update_units(tree, leaves, tokens - used):
+            if used + len(u) <= tokens:
+                units.append(u)
+                used += len(u)
+    if tokens - used >= 2:
+        filler = RolloutTree.new("fill", "q", ["a"], [3] * (tokens - used - 1))
+        filler.add_child(0, rollout=0, token_ids=[4], policy_mask=[1], logprobs=[-2.0],
+                         finished=True, reward=1.0)
+        filler.compute_values()
+        (leaf,) = filler.flatten()
+        (leaf.token_advantages,) = assign_advantages([leaf], [filler], "grpo")
+        units += update_units(filler, [leaf], tokens)
+    return collate_units([units], pad_id=0)
+
+
+def memory_row(tokens: int, seed: int) -> dict:
+    """A child's measurement: one packed forward + backward of the loss at ``tokens``."""
+    from transformers import Qwen3ForCausalLM
+
+    from trace_lightning.models import tiny_qwen3_config
+    from trace_lightning.tasks.search_qa.demo.prepare import DEFAULT_MODEL
+
+    torch.manual_seed(seed)
+    config = tiny_qwen3_config(MEMORY_VOCAB, attn_implementation=TREE_SDPA, **DEFAULT_MODEL)
+    policy = Qwen3ForCausalLM(config).train()
+    mb = packed_row(tokens, seed)
+    gc.collect()
+    before = rss_mb("VmRSS")
+    tic = time.perf_counter()
+    logp, ent = TraceModule._logprobs(policy, mb, with_entropy=True)  # (1, T) each
+    loss = weighted_policy_loss(logp, mb["old_logprobs"], {k: mb[k] for k in WEIGHT_KEYS},
+                                normalizer=float(mb["count"].sum()), entropy=ent)[0]
+    loss.backward()
+    return {"tokens": int(mb["input_ids"].shape[1]), "peak_rss_mb": rss_mb("VmHWM"),
+            "rss_before_forward_mb": before, "forward_backward_s": time.perf_counter() - tic,
+            "loss": float(loss), "model": DEFAULT_MODEL, "threads": torch.get_num_threads()}
+
+
+def library_commit() -> str:
+    """``git describe`` of the checkout the imported ``trace_lightning`` comes from (it may
+    be another worktree than this script's, through ``PYTHONPATH``)."""
+    where = Path(trace_lightning.__file__).resolve().parent
+    done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=where,
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
+def memory(args) -> dict:
+    """Every ``--memory-tokens`` length in a fresh process; merged into ``--out``."""
+    stamp = provenance.Stamp()
+    sizes = [int(x) for x in args.memory_tokens.split(",") if x.strip()]
+    if not sizes or min(sizes) < 2:
+        raise ValueError(f"--memory-tokens ({args.memory_tokens!r}) must list row lengths "
+                         f">= 2, e.g. 2048,4096")
+    rows = {}
+    for n in sizes:
+        cmd = [sys.executable, __file__, "--memory-row", str(n), "--seed", str(args.seed)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            sys.exit(f"measuring memory at {n} tokens failed:\n{done.stderr[-3000:]}")
+        rows[str(n)] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{n:6d} tokens: peak RSS {rows[str(n)]['peak_rss_mb']:.0f} MB "
+              f"({rows[str(n)]['rss_before_forward_mb']:.0f} MB before the forward), "
+              f"{rows[str(n)]['forward_backward_s']:.1f} s", flush=True)
+    result = {"benchmark": "update_memory", args.memory_key:
+              {n: r["peak_rss_mb"] for n, r in rows.items()},
+              f"{args.memory_key}_detail": {
+                  "measure": "peak RSS (VmHWM) of a fresh process per row: one packed "
+                             "forward + backward, random-weight demo-shaped policy, float32",
+                  "library": str(Path(trace_lightning.__file__).resolve().parent),
+                  "library_commit": library_commit(), "rows": rows, **stamp.fields()}}
+    if args.out:
+        path = Path(args.out)
+        merged = json.loads(path.read_text()) if path.exists() else {"benchmark": "update"}
+        merged.update({k: v for k, v in result.items() if k != "benchmark"})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(merged) + "\n")
+    print(json.dumps(result))
+    return result
+
+
+def rss_mb(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since exec) of this process, MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise OSError(f"/proc/self/status has no {field}; --memory needs Linux")
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory since its exec (``VmHWM``; ``ru_maxrss`` would
     count the parent's pages from before the exec, here the engine's)."""
@@ -217,6 +347,11 @@ def peak_rss_mb() -> float:
 # ---- the benchmark -----------------------------------------------------------------------------
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.memory_row is not None:
+        print(json.dumps(memory_row(args.memory_row, args.seed)))
+        return {}
+    if args.memory:
+        return memory(args)
     if args.measure:
         print(json.dumps(measure(args)))
         return {}

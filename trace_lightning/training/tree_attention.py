@@ -11,11 +11,17 @@ Three ways to run it, chosen by the policy's ``attn_implementation`` (``--model.
   of its leaves, not less). A micro-batch without a tree plan (per-leaf rows) runs plain SDPA,
   unchanged.
 - ``flex_attention`` (the default on CUDA with tree packing): FlexAttention with a block mask
-  built from ``subtree_end``; its block sparsity skips the keys outside a query block's
-  ancestors.
+  built from ``subtree_end`` block by block (``tree_block_mask``); its block sparsity skips
+  the keys outside a query block's ancestors.
 - ``sdpa`` / ``eager``: the dense ``(B, 1, T, T)`` mask (the reference the tests compare with).
 
 In the layout's terms, query ``i`` sees key ``j`` iff ``j <= i < subtree_end[j]``.
+
+No ``(T, T)`` tensor on the tree paths: transformers builds an attention mask on every
+forward from the inputs (from packed ``position_ids`` a dense ``(B, 1, T, T)`` one) unless it is
+handed a prepared 4D one; ``tree_sdpa`` hands it ``mask_placeholder`` (no elements; the node
+plan is the mask), ``flex_attention`` its ``BlockMask``, whose block tables are
+``(B, T / 128, T / 128)``.
 """
 
 from __future__ import annotations
@@ -99,6 +105,18 @@ def node_plan(rows: Sequence[Sequence[tuple[int, int, list[int]]]], width: int,
     return plan
 
 
+def additive_masks(plan: dict, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The plan's boolean masks as SDPA's additive ones, ``(n, 1, Q, P)`` each (0 where seen,
+    -inf elsewhere), built on a forward's first layer and kept in the plan for the others:
+    SDPA would convert a boolean mask anew in every layer and keep each layer's copy for
+    its backward (one copy per layer instead of one in all)."""
+    key = f"additive_masks_{dtype}"
+    if key not in plan:
+        plan[key] = [torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
+            ~m, float("-inf")) for m in plan["masks"]]
+    return plan[key]
+
+
 def tree_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, attention_mask: torch.Tensor | None,
                         dropout: float = 0.0, scaling: float | None = None,
@@ -111,9 +129,12 @@ def tree_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     The queries, keys and values of all buckets are each one ``index_select`` of the
     flattened tokens (its backward one ``index_add``), and each bucket is one SDPA call."""
     if tree_nodes is None:
+        if attention_mask is not None and attention_mask.numel() == 0:
+            raise ValueError("a tree_sdpa forward got the tree's mask placeholder without its "
+                             "node plan; pass both (tree_attention.attention_inputs)")
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    plan = tree_nodes
+    plan = tree_nodes  # the mask: attention_mask is the placeholder (or None), never read
     b, h, t, d = query.shape
     qf = query.transpose(1, 2).reshape(b * t, h, d)  # (BT, H, D)
     kf = repeat_kv(key, h // key.shape[1]).transpose(1, 2).reshape(b * t, h, d)  # (BT, H, D)
@@ -125,7 +146,8 @@ def tree_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     v_all = vf.index_select(0, plan["k_flat"]).split(plan["k_sizes"])
     outs = []
     for q, k, v, qi, ki, mask, valid in zip(q_all, k_all, v_all, plan["q_index"],
-                                            plan["k_index"], plan["masks"], plan["valid"]):
+                                            plan["k_index"], additive_masks(plan, query.dtype),
+                                            plan["valid"]):
         n, qm = qi.shape
         pm = ki.shape[1]
         o = F.scaled_dot_product_attention(
@@ -139,7 +161,17 @@ def tree_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
 
 
 AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_SDPA, sdpa_mask)  # other callers' 2D masks
+# Forwards without a tree (generation, per-leaf rows with a padding mask) get SDPA's masks;
+# a tree forward passes mask_placeholder, which transformers takes as prepared.
+ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_SDPA, sdpa_mask)
+
+
+def mask_placeholder(rows: int, device: torch.device | str) -> torch.Tensor:
+    """``(R, 1, 0, 0)`` bool: a tree_sdpa forward's ``attention_mask``. transformers returns a
+    4D mask as it is (``masking_utils._preprocess_mask_arguments``) instead of building a
+    ``(R, 1, T, T)`` one from the packed ``position_ids``; it holds no elements, so a kernel
+    that read it as a mask would fail on its shape, never attend to everything."""
+    return torch.empty(rows, 1, 0, 0, dtype=torch.bool, device=device)
 
 
 def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
@@ -152,23 +184,59 @@ def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
     return (causal & inside)[:, None]  # (B, 1, T, T)
 
 
-def tree_block_mask(subtree_end: torch.Tensor):
-    """The same mask as a FlexAttention ``BlockMask`` (its sparsity skips whole blocks of
-    keys outside a query block's ancestors)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def tree_block_mask(subtree_end: torch.Tensor, block_size: int = 128):
+    """The same mask as a FlexAttention ``BlockMask``, built from ``subtree_end`` a block at
+    a time: ``(B, T / bs, T / bs)`` block tables, no ``(T, T)`` mask (``create_block_mask``
+    evaluates the mask at every pair first).
 
-    end = subtree_end
+    For key block ``[k0, k1)`` and query block ``[q0, q1)`` (index ``qb``, ``kb``):
 
-    def mask_mod(b, h, q, kv):
-        return (kv <= q) & (q < end[b, kv])
+    - some query sees some key iff ``qb >= kb`` and ``max(end[k0:k1]) > q0``: key ``j``'s
+      subtree reaches into the query block (on the diagonal, ``end[j] > j`` always holds);
+    - every query sees every key iff ``qb > kb`` and ``min(end[k0:k1]) >= q1``, both blocks
+      inside ``[0, T)``: FlexAttention skips ``mask_mod`` on these full blocks.
 
-    b, t = end.shape
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=t, device=end.device)
+    ``subtree_end`` is ``(B, T)``; the mask_mod reads it padded to whole blocks (a padding
+    key sees itself alone), so no index of a block's padding falls outside it.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, t = subtree_end.shape
+    nb = -(-t // block_size)
+    pad = nb * block_size - t
+    ar = torch.arange(nb * block_size, device=subtree_end.device)  # (T',)
+    end = torch.cat([subtree_end, (ar[t:] + 1).expand(b, pad)], dim=1)  # (B, T')
+    real = torch.cat([subtree_end, subtree_end.new_zeros(b, pad)], dim=1)  # (B, T')
+    blocks = real.view(b, nb, block_size)  # (B, nb, bs)
+    max_end = blocks.amax(-1)  # (B, nb) per key block
+    min_end = blocks.amin(-1)  # (B, nb); 0 for a block with padding: never full
+    starts = torch.arange(nb, device=end.device) * block_size  # (nb,) q0 per query block
+    qb = torch.arange(nb, device=end.device)[:, None]  # (nb, 1)
+    kb = torch.arange(nb, device=end.device)[None, :]  # (1, nb)
+    seen = (qb >= kb) & (max_end[:, None, :] > starts[None, :, None])  # (B, nbq, nbk)
+    full = (qb > kb) & (min_end[:, None, :] >= (starts + block_size)[None, :, None])
+    partial = seen & ~full  # (B, nbq, nbk)
+
+    def table(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, 1, nbq)`` counts and ``(B, 1, nbq, nbk)`` key-block indices, set ones first
+        in ascending order."""
+        counts = flags.sum(-1, dtype=torch.int32)  # (B, nbq)
+        order = torch.argsort((~flags).to(torch.int8), dim=-1, stable=True)  # (B, nbq, nbk)
+        return counts[:, None], order.to(torch.int32)[:, None]
+
+    def mask_mod(bi, h, q, kv):
+        return (kv <= q) & (q < end[bi, kv])
+
+    kv_num, kv_idx = table(partial)
+    full_num, full_idx = table(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=(t, t))
 
 
 def attention_inputs(model, mb: dict) -> dict:
     """The forward's extra arguments for a micro-batch: a packed one's ``position_ids`` and
-    its tree in the form the model's attention takes (``tree_sdpa``: the node plan;
+    its tree in the form the model's attention takes (``tree_sdpa``: the node plan, and
+    ``mask_placeholder`` so that transformers builds no mask;
     ``flex_attention``: a ``BlockMask``; ``sdpa``: a boolean 4D mask; ``eager``: an additive
     float mask); none for a per-leaf one (causal attention, right padding never seen)."""
     if "subtree_end" not in mb:
@@ -176,7 +244,8 @@ def attention_inputs(model, mb: dict) -> dict:
     impl = model.config._attn_implementation
     end = mb["subtree_end"]
     if impl == TREE_SDPA:
-        return {"position_ids": mb["position_ids"], "tree_nodes": mb["tree_nodes"]}
+        return {"position_ids": mb["position_ids"], "tree_nodes": mb["tree_nodes"],
+                "attention_mask": mask_placeholder(end.shape[0], end.device)}
     if impl == "flex_attention":
         mask = tree_block_mask(end)
     elif impl == "eager":
