@@ -531,6 +531,11 @@ class TraceModule(L.LightningModule):
         metrics.update({"train/loss": total_loss, "train/grad_norm": float(grad_norm),
                         "train/policy_tokens": tokens, "train/ratio_max": ratio_max,
                         "train/lr": lr})
+        # written once: self.log would repeat the step's first mini-batch's mismatch at the
+        # later steps that do not measure it (correction off)
+        rc = {k: metrics.pop(k) for k in list(metrics) if k.startswith("rollout_correction/")}
+        if rc and self._trainer is not None:
+            log_scalars(self.trainer, rc)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return torch.tensor(total_loss)
 
