@@ -9,8 +9,8 @@ The formulas are ``trace_lightning.math.rollout_correction``'s. Here:
   cost. With correction on, the loss is verl's decoupled one (ratio ``pi / pi_old``, weights
   ``pi_old / pi_rollout``), which needs ``pi_old`` on every token of the step: the later
   mini-batches' are computed before the update starts (``start_logprobs``: one no-grad
-  forward over them, ``1 - 1 / minibatches_per_step`` of the step's tokens once; with one
-  mini-batch per step, nothing).
+  forward over every mini-batch but the first, ``ppo_epochs * minibatches_per_step - 1`` of
+  them; with one mini-batch per step, nothing).
 - **Pairs.** A sequence-level weight is per leaf, and a packed tree's shared token stands for
   one pair per leaf through it. A packed micro-batch lists its pairs (``pair_row``,
   ``pair_pos``, ``pair_leaf``, ``pair_adv``; ``collate_pairs``); a per-leaf one is a leaf per
@@ -133,6 +133,10 @@ def microbatch_pairs(mb: dict) -> tuple[torch.Tensor, ...]:
     is one leaf per row: its pairs are its policy tokens, the leaf its row."""
     if "pair_row" in mb:
         return tuple(mb[k] for k in PAIR_KEYS)
+    if "subtree_end" in mb:  # packed: a token may stand for several leaves' pairs
+        raise ValueError("a packed micro-batch without its (leaf, token) pairs cannot be "
+                         "corrected per leaf; build it with tree_packing.tree_minibatches, "
+                         "which lists them (collate_pairs)")
     row, pos = (mb["count"] > 0).nonzero(as_tuple=True)  # (P,) each
     return row, pos, row, mb["advantages"][row, pos]
 
