@@ -107,6 +107,11 @@ def test_mismatch_by_hand():
     assert s["max_ratio"] == pytest.approx(2.0) and s["min_ratio"] == pytest.approx(0.5)
     assert s["share_past_bound"] == 1.0 and s["pairs"] == 3.0  # both outside [2/3, 3/2]
     assert float(mismatch_stats(log_rho, count, bound=2.5)["share_past_bound"]) == 0.0
+    # no pair (a filler micro-batch): neutral extremes, so a max / min over micro-batches
+    # and ranks is the real one
+    none = mismatch_stats(log_rho, torch.zeros_like(count), bound=2.0)
+    assert float(none["max_ratio"]) == 0.0 and float(none["min_ratio"]) == math.inf
+    assert float(none["pairs"]) == 0.0 and float(none["k3_kl"]) == 0.0
 
 
 def test_fold_sums_each_leafs_weighted_advantage_on_a_shared_token():

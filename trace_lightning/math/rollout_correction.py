@@ -43,6 +43,7 @@ Deviation from verl: a rejected pair keeps its place in the token-mean's divisor
 
 from __future__ import annotations
 
+import math
 from typing import Literal, get_args
 
 import torch
@@ -78,7 +79,8 @@ def mismatch_stats(log_rho: torch.Tensor, count: torch.Tensor,
 
     Returns:
         detached scalars: ``k1_kl``, ``k3_kl``, ``share_past_bound`` (means over pairs),
-        ``max_ratio``, ``min_ratio`` (1 when there is no pair), ``pairs``.
+        ``max_ratio``, ``min_ratio`` (0 and inf when there is no pair: neutral in a max and
+        a min over micro-batches), ``pairs``.
     """
     w = count.double()  # (B, T)
     valid = w > 0  # (B, T)
@@ -87,12 +89,12 @@ def mismatch_stats(log_rho: torch.Tensor, count: torch.Tensor,
     rho = torch.exp(lr)  # (B, T)
     k3 = rho - 1.0 - lr  # (B, T): >= 0
     past = (rho > bound) | (rho < 1.0 / bound)  # (B, T)
-    one = torch.ones_like(rho)  # (B, T)
+    inf = torch.full_like(rho, math.inf)  # (B, T)
     return {"k1_kl": (-lr * w).sum() / n.clamp(min=1.0),
             "k3_kl": (k3 * w).sum() / n.clamp(min=1.0),
             "share_past_bound": (past * w).sum() / n.clamp(min=1.0),
-            "max_ratio": torch.where(valid, rho, one).max(),
-            "min_ratio": torch.where(valid, rho, one).min(),
+            "max_ratio": torch.where(valid, rho, torch.zeros_like(rho)).max(),
+            "min_ratio": torch.where(valid, rho, inf).min(),
             "pairs": n}
 
 

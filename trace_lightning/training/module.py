@@ -533,8 +533,9 @@ class TraceModule(L.LightningModule):
                         "train/lr": lr})
         # written once: self.log would repeat the step's first mini-batch's mismatch at the
         # later steps that do not measure it (correction off)
+        # (a mini-batch without a policy token on any rank measures nothing)
         rc = {k: metrics.pop(k) for k in list(metrics) if k.startswith("rollout_correction/")}
-        if rc and self._trainer is not None:
+        if rc and tokens > 0 and self._trainer is not None:
             log_scalars(self.trainer, rc)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return torch.tensor(total_loss)
