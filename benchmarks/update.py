@@ -31,8 +31,9 @@ split at subtree boundaries to fit, the rest filled by a one-leaf tree), forward
 of the loss once in a fresh process, on a random-weight policy of the demo's shape
 (``DEFAULT_MODEL``, vocabulary 512, float32, ``tree_sdpa``). The figure is the process's peak
 RSS (``VmHWM``, MB; the model, the interpreter and torch included, their share in
-``rss_before_forward_mb``). It merges ``{"<tokens>": peak_mb}`` under ``--memory-key`` into
-``--out``, other keys kept, and ends with one JSON line of the memory figures:
+``rss_before_forward_mb``), the median of ``--memory-repeats`` processes. It merges
+``{"<tokens>": peak_mb}`` under ``--memory-key`` into ``--out``, other keys kept, and ends
+with one JSON line of the memory figures:
 
     python benchmarks/update.py --memory                               # memory_by_tokens
     git worktree add /tmp/before <commit>                              # the code before
@@ -95,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-key", default="memory_by_tokens",
                    help="--memory: the key of --out to write (memory_by_tokens_before for "
                         "the code before a change, run with its library on PYTHONPATH)")
+    p.add_argument("--memory-repeats", type=int, default=3,
+                   help="--memory: fresh processes per length; the median peak is reported "
+                        "(RSS varies by about 10%% from run to run with the allocator's arenas)")
     p.add_argument("--memory-row", type=int, default=None, help=argparse.SUPPRESS)  # a child
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # a child: this set
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # a child: this layout
@@ -297,21 +301,29 @@ def memory(args) -> dict:
     if not sizes or min(sizes) < 2:
         raise ValueError(f"--memory-tokens ({args.memory_tokens!r}) must list row lengths "
                          f">= 2, e.g. 2048,4096")
+    if args.memory_repeats < 1:
+        raise ValueError(f"--memory-repeats ({args.memory_repeats}) must be >= 1")
     rows = {}
     for n in sizes:
-        cmd = [sys.executable, __file__, "--memory-row", str(n), "--seed", str(args.seed)]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode:
-            sys.exit(f"measuring memory at {n} tokens failed:\n{done.stderr[-3000:]}")
-        rows[str(n)] = json.loads(done.stdout.strip().splitlines()[-1])
+        runs = []
+        for _ in range(args.memory_repeats):
+            cmd = [sys.executable, __file__, "--memory-row", str(n), "--seed", str(args.seed)]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode:
+                sys.exit(f"measuring memory at {n} tokens failed:\n{done.stderr[-3000:]}")
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        runs.sort(key=lambda r: r["peak_rss_mb"])
+        rows[str(n)] = {**runs[(len(runs) - 1) // 2],
+                        "peak_rss_mb_runs": [r["peak_rss_mb"] for r in runs]}
         print(f"{n:6d} tokens: peak RSS {rows[str(n)]['peak_rss_mb']:.0f} MB "
               f"({rows[str(n)]['rss_before_forward_mb']:.0f} MB before the forward), "
               f"{rows[str(n)]['forward_backward_s']:.1f} s", flush=True)
     result = {"benchmark": "update_memory", args.memory_key:
               {n: r["peak_rss_mb"] for n, r in rows.items()},
               f"{args.memory_key}_detail": {
-                  "measure": "peak RSS (VmHWM) of a fresh process per row: one packed "
-                             "forward + backward, random-weight demo-shaped policy, float32",
+                  "measure": "peak RSS (VmHWM) of a fresh process per row, the median of "
+                             f"{args.memory_repeats}: one packed forward + backward, "
+                             "random-weight demo-shaped policy, float32",
                   "library": str(Path(trace_lightning.__file__).resolve().parent),
                   "library_commit": library_commit(), "rows": rows, **stamp.fields()}}
     if args.out:

@@ -172,8 +172,8 @@ def test_memory_by_tokens_quick_mode(tmp_path):
     out.write_text(json.dumps({"benchmark": "update", "search_r1_time_ratio": 0.9}) + "\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "update.py"), "--memory",
-                           "--memory-tokens", "700", "--out", str(out)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+                           "--memory-tokens", "700", "--memory-repeats", "1", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     saved = json.loads(out.read_text())
