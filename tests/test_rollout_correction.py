@@ -10,6 +10,7 @@ weights'. A tiny random-weight Qwen3.
 
 from __future__ import annotations
 
+import json
 import math
 
 import lightning as L
@@ -253,11 +254,7 @@ def test_a_real_mismatch_is_measured_and_the_correction_bounds_the_weights(polic
     # off: the first mini-batch only, written once (not repeated at the second step)
     assert len(same) == 2 and "rollout_correction/k3_kl" not in same[1]
 
-    behind = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(3)
-        for p in behind.parameters():
-            p.add_(0.5 * p.std().nan_to_num(0.02) * torch.randn(p.shape, generator=g))
+    behind = perturbed(policy_dir)
     batches = sampled_minibatches(behind, 2, seed=0)
     # C = 1.2: a tiny random policy's distributions are flat, its ratios near 1
     off = fit_logged(policy_dir, batches, rollout_is_threshold=1.2)
@@ -319,3 +316,103 @@ def test_correction_on_without_start_logprobs_is_an_error(policy_dir):
         corr.apply(mb, torch.zeros_like(mb["old_logprobs"]), first=False)
     assert RolloutCorrection().apply(mb, torch.zeros_like(mb["old_logprobs"]),
                                      first=False)[2] == {}
+
+
+DDP_SCRIPT = r'''
+import json, sys
+import lightning as L
+import torch
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+from launch import leave_group
+from test_rollout_correction import perturbed, sampled_minibatches
+from trace_lightning.training.module import TraceModule
+from trace_lightning.training.packing import equalise_over_ranks
+
+KW = dict(rollout_is="token", rollout_is_threshold=1.2)
+
+
+class Keep(Logger):
+    name, version, steps = "keep", 0, {}
+    def log_metrics(self, metrics, step=None):
+        self.steps.setdefault(step, {}).update({k: float(v) for k, v in metrics.items()})
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+class Data(L.LightningDataModule):
+    """Rank 0 sampled by the trainer's own weights, rank 1 by perturbed ones."""
+    def train_dataloader(self):
+        rank = self.trainer.global_rank
+        policy = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+        sampler = policy if rank == 0 else perturbed(sys.argv[1])
+        batches = sampled_minibatches(sampler, 2, seed=rank)
+        module = self.trainer.lightning_module
+        local = []  # this rank's own statistics at the start weights, per mini-batch
+        for m in batches:
+            parts = []
+            for mb in m["micro"]:
+                with torch.no_grad():
+                    logp, _ = TraceModule._logprobs(policy, mb)
+                parts.append({k: float(v) for k, v in
+                              module.correction.apply(mb, logp, first=True)[2].items()})
+            local.append(parts)
+        with open(f"{sys.argv[2]}/rank{rank}.json", "w") as f:
+            json.dump(local, f)
+        batches = equalise_over_ranks(batches, 0)
+        module.prepare_update(batches)
+        return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+
+
+if __name__ == "__main__":
+    keep = Keep()
+    t = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=keep,
+                  use_distributed_sampler=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    t.fit(TraceModule(policy_path=sys.argv[1], lr=1e-3, **KW), datamodule=Data())
+    if t.global_rank == 0:
+        with open(f"{sys.argv[2]}/logged.json", "w") as f:
+            json.dump([keep.steps[s] for s in sorted(keep.steps)], f)
+    leave_group()
+'''
+
+
+def perturbed(policy_dir, scale: float = 0.5):
+    """The policy with every weight moved by ``scale`` of its tensor's std (seeded)."""
+    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in model.parameters():
+            p.add_(scale * p.std().nan_to_num(0.02) * torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_two_ranks_log_the_mismatch_over_both(policy_dir, tmp_path):
+    """Two CPU processes (gloo DDP), one sampled without mismatch and one with: each logged
+    mean is over both ranks' pairs, the max and min ratios over both, at both optimizer
+    steps (the second from the start weights prepare_update read on each rank)."""
+    from launch import run_ranks
+
+    script = tmp_path / "ddp_rc.py"
+    script.write_text(DDP_SCRIPT)
+    for r, (rc, out) in enumerate(run_ranks(script, [str(policy_dir), str(tmp_path)],
+                                            tmp_path)):
+        assert rc == 0, f"rank {r} failed:\n{out[-4000:]}"
+    logged = json.loads((tmp_path / "logged.json").read_text())
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert len(logged) == 2
+    key = "rollout_correction/{}".format
+    for step, got in enumerate(logged):
+        parts = [p for rank in ranks for p in rank[step]]
+        n = sum(p[key("pairs")] for p in parts)
+        for name in ("k3_kl", "k1_kl", "share_past_bound", "is_truncated_share"):
+            want = sum(p[key(name)] * p[key("pairs")] for p in parts) / n
+            assert got[key(name)] == pytest.approx(want, rel=1e-4, abs=1e-7), (step, name)
+        assert got[key("max_ratio")] == pytest.approx(max(p[key("max_ratio")] for p in parts),
+                                                      rel=1e-5)
+        assert got[key("min_ratio")] == pytest.approx(min(p[key("min_ratio")] for p in parts),
+                                                      rel=1e-5)
+        # the ranks differ: rank 0 has no mismatch, rank 1 some
+        k3 = [sum(p[key("k3_kl")] for p in rank[step]) for rank in ranks]
+        assert k3[0] < 1e-9 < 1e-4 < k3[1]
