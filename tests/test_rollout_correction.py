@@ -248,11 +248,12 @@ def test_a_real_mismatch_is_measured_and_the_correction_bounds_the_weights(polic
     pass); with token TIS on, every mini-batch does, and each pair's weight is its ratio cut
     at the threshold."""
     trainer_policy = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
-    same = fit_logged(policy_dir, sampled_minibatches(trainer_policy, 2, seed=0))
-    assert same[0]["rollout_correction/k3_kl"] < 1e-9
-    assert same[0]["rollout_correction/max_ratio"] == pytest.approx(1.0, abs=1e-5)
-    # off: the first mini-batch only, written once (not repeated at the second step)
-    assert len(same) == 2 and "rollout_correction/k3_kl" not in same[1]
+    for mb in sampled_minibatches(trainer_policy, 1, seed=0)[0]["micro"]:
+        with torch.no_grad():
+            logp, _ = TraceModule._logprobs(trainer_policy, mb)
+        same = RolloutCorrection().apply(mb, logp, first=True)[2]
+        assert float(same["rollout_correction/k3_kl"]) < 1e-9
+        assert float(same["rollout_correction/max_ratio"]) == pytest.approx(1.0, abs=1e-5)
 
     behind = perturbed(policy_dir)
     batches = sampled_minibatches(behind, 2, seed=0)
@@ -261,7 +262,8 @@ def test_a_real_mismatch_is_measured_and_the_correction_bounds_the_weights(polic
     assert off[0]["rollout_correction/k3_kl"] > 1e-3
     assert off[0]["rollout_correction/max_ratio"] > 1.2
     assert off[0]["rollout_correction/share_past_bound"] > 0
-    assert "rollout_correction/k3_kl" not in off[1]
+    # off: the first mini-batch only, written once (not repeated at the second step)
+    assert len(off) == 2 and "rollout_correction/k3_kl" not in off[1]
     on = fit_logged(policy_dir, sampled_minibatches(behind, 2, seed=0), rollout_is="token",
                     rollout_is_threshold=1.2)
     # the same tokens at the same start weights: the first mini-batch's mismatch is the same
