@@ -131,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3)")
     p.add_argument("--batch", type=int, default=None, help="sequences per plain forward (8)")
     p.add_argument("--seq", type=int, default=None, help="tokens per plain sequence (2048)")
+    p.add_argument("--tree-seq", type=int, default=None,
+                   help="ours_packed: the leaf length its Search-R1-shaped trees are scaled "
+                        "to (2048: update.py's trees; default --seq)")
     p.add_argument("--accum", type=int, default=2,
                    help="forwards per optimizer step (plain); ours: mini-batch = accum x "
                         "batch x seq real tokens")
@@ -283,7 +286,7 @@ def synth_minibatches(s: Setup, n: int, rng: random.Random) -> list[dict]:
 
 def synth_tree_minibatches(s: Setup, n: int, seed: int) -> list[dict]:
     """``n`` mini-batch dicts like ``synth_minibatches``'s, of Search-R1-shaped trees
-    (``benchmarks/update.py``'s, their lengths scaled to ``--seq``: at 2048 a 300-token
+    (``benchmarks/update.py``'s, their lengths scaled to ``--tree-seq``: at 2048 a 300-token
     prompt and 3 turns of 100 generated + 450 observation tokens), each tree packed as one
     sequence (``tree_packing``): about ``accum * batch * seq`` tokens over leaves per
     mini-batch; ``lengths`` are the leaves' (the per-leaf work, for FLOPs and tokens/s)."""
@@ -296,7 +299,7 @@ def synth_tree_minibatches(s: Setup, n: int, seed: int) -> list[dict]:
     spec.loader.exec_module(update)
     a = s.args
     target, budget = a.accum * a.batch * a.seq, a.batch * a.seq
-    scale = a.seq / 2048
+    scale = (a.tree_seq or a.seq) / 2048
     out = []
     for k in range(n):
         trees, leaves = [], []

@@ -74,3 +74,58 @@ def test_flops_per_token_of_qwen3_0_6b():
     with torch.device("meta"):
         model = gpu.AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == n
+
+
+CHECK = REPO / "benchmarks" / "gpu_check.py"
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("bench_gpu_check", CHECK)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_gpu_check_tiny_runs_every_section(tmp_path):
+    """``gpu_check.py --tiny`` on CPU: the demo fit under FSDP1 (gloo) with the HF engine
+    for 2 steps, packed against per-leaf in float32 and bfloat16, the packed update; one
+    JSON line, also in ``--out``; exit 0 only when every section passed."""
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(CHECK), "--tiny", "--out", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads(out.read_text()) == results and results["passed"]
+    fit = results["fit"]
+    assert fit["exit"] == 0
+    assert fit["scalars"]["perf/train_s"][0] == 2  # two RL steps, each trained
+    eq = results["equivalence"]
+    assert eq["float32_ok"] and eq["bfloat16_ok"]
+    assert eq["float32"]["grad_max"] <= 1e-5 and eq["float32"]["loss"] <= 1e-5
+    assert eq["packed_tokens"] < eq["leaf_tokens"]  # the trees share prefixes in their rows
+    assert eq["bfloat16"]["leaf_vs_float32"]["grad_all"] > 1e-4  # bf16 rounding is there
+    up = results["update"]
+    assert up["tokens_per_s"] > 0 and up["mfu"] > 0 and up["forwarded_share"] < 1
+    assert up["fsdp_root"] == "FullyShardedDataParallel"
+    for name in ("fit", "equivalence", "update"):
+        assert results[name]["recompiles"] == 0  # nothing is compiled on CPU
+    assert results["recompiles"]["total"] == 0
+
+
+def test_gpu_check_errors_by_hand_and_a_missing_world_is_named():
+    """Loss 1.1 against 1.0: 0.1 relative; gradients a = (3, 4) against (3, 0): |(0, 4)| / 3;
+    b = (1, 0) against (1, 0): 0; all together |(0, 4, 0, 0)| / |(3, 0, 1, 0)| = 4 / sqrt(10)."""
+    check = load_gpu_check()
+    got = (1.1, {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0, 0.0])})
+    want = (1.0, {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([1.0, 0.0])})
+    err = check.errors(got, want)
+    assert err["loss"] == pytest.approx(0.1)
+    assert err["grad_max"] == pytest.approx(4 / 3) and err["grad_max_param"] == "a"
+    assert err["grad_all"] == pytest.approx(4 / 10 ** 0.5)
+    with pytest.raises(ValueError, match="--world is required"):
+        check.parse_args([])
+    with pytest.raises(ValueError, match=r"--sections \('fit,train'\)"):
+        check.parse_args(["--tiny", "--sections", "fit,train"])
+    assert check.parse_args(["--sections", "equivalence,update"]).world is None
