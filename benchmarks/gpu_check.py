@@ -65,8 +65,9 @@ import torch  # noqa: E402
 
 from trace_lightning.math.advantage import assign_advantages  # noqa: E402
 from trace_lightning.math.loss import weighted_policy_loss  # noqa: E402
-from trace_lightning.training.module import TraceModule  # noqa: E402
+from trace_lightning.training.module import TraceModule, flex_attention_available  # noqa: E402
 from trace_lightning.training.packing import collate, pack_microbatches  # noqa: E402
+from trace_lightning.training.tree_attention import TREE_SDPA  # noqa: E402
 from trace_lightning.training.tree_packing import (WEIGHT_KEYS, collate_units,  # noqa: E402
                                                    pack_rows, update_units)
 
@@ -274,11 +275,8 @@ def errors(got, want) -> dict:
 def section_equivalence(s, path: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    attn = TraceModule(policy_path=str(path)).attention_implementation()
-    if s.cuda:  # attention_implementation asks for a CUDA trainer; the check runs on one
-        from trace_lightning.training.module import flex_attention_available
-
-        attn = "flex_attention" if flex_attention_available() else attn
+    # TraceModule's "auto" on the device: FlexAttention on a CUDA trainer, else per node
+    attn = "flex_attention" if s.cuda and flex_attention_available() else TREE_SDPA
     config = AutoConfig.from_pretrained(path)
     config.num_hidden_layers = min(config.num_hidden_layers, EQUIV_LAYERS)
     torch.manual_seed(s.args.seed)
