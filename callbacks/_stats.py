@@ -171,6 +171,7 @@ class StepSummary:
     cold_start: bool = False
     engine_calls: int = 0  # turns of the step (merged: the most of any rank)
     tree_tokens: int = 0  # tokens of the trees' leaf paths, each once (a packed forward's)
+    trust: dict[str, float] = field(default_factory=dict)  # per stage; empty: not measured
 
 
 def summarize_step(step: RolloutStep) -> StepSummary:
@@ -184,13 +185,14 @@ def summarize_step(step: RolloutStep) -> StepSummary:
         candidates=step.candidates, root_plan=list(step.root_plan),
         pool_returned=step.pool_returned, budget=asdict(step.budget),
         seconds=dict(step.seconds), cold_start=step.cold_start,
-        engine_calls=step.engine_calls,
+        engine_calls=step.engine_calls, trust=dict(step.trust),
         tree_tokens=sum(unique_tokens(t) for t in step.trees if t.leaves()))
 
 
 def merge_summaries(parts: Sequence[StepSummary]) -> StepSummary:
     """All ranks' summaries as one: trees and counts add up; the root plan, candidates and
-    cold start are global (every rank plans the same), so rank 0's are kept; phase times
+    cold start are global (every rank plans the same), so rank 0's are kept, and so is its
+    trust (measured on its own trees); phase times
     are the slowest rank's (ranks roll out in parallel)."""
     first = parts[0]
     budget: dict[str, int] = {}
@@ -208,7 +210,7 @@ def merge_summaries(parts: Sequence[StepSummary]) -> StepSummary:
         candidates=first.candidates, root_plan=first.root_plan,
         pool_returned=sum(p.pool_returned for p in parts), budget=budget, seconds=seconds,
         cold_start=first.cold_start, engine_calls=max(p.engine_calls for p in parts),
-        tree_tokens=sum(p.tree_tokens for p in parts))
+        tree_tokens=sum(p.tree_tokens for p in parts), trust=dict(first.trust))
 
 
 # ---- metric sets -----------------------------------------------------------------------------
@@ -263,6 +265,8 @@ def allocation_metrics(s: StepSummary) -> tuple[dict[str, float], dict[str, list
            "alloc/leaves": float(s.budget.get("leaves", 0)),
            "alloc/generated_tokens": float(s.budget.get("generated_tokens", 0)),
            "alloc/tool_calls": float(s.budget.get("tool_calls", 0))}
+    for stage, w in s.trust.items():
+        out[f"alloc/trust_{stage}"] = float(w)
     if leaves:
         out.update({"alloc/leaves_per_prompt_gini": gini(leaves),
                     "alloc/leaves_per_prompt_entropy": normalized_entropy(leaves),

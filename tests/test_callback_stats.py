@@ -105,7 +105,8 @@ def build_step(epoch: int = 0, trees: list[RolloutTree] | None = None,
                                      tool_calls=6),
                        pool_returned=1,
                        seconds={"rollout": 2.0, "retrieval": 0.75, "predict": 0.5},
-                       cold_start=False, engine_calls=7)
+                       cold_start=False, engine_calls=7,
+                       trust={"roots": 0.25, "prefixes": 1.0})
 
 
 # ---- expected values, derived by hand ------------------------------------------------------
@@ -146,6 +147,7 @@ EXPECTED_ALLOC = {
     "alloc/branch_depth_mean": 1.25,
     "alloc/pool_returned": 1, "alloc/cold_start": 0.0, "alloc/effective_ratio": 2 / 3,
     "alloc/leaves": 10, "alloc/generated_tokens": 500, "alloc/tool_calls": 6,
+    "alloc/trust_roots": 0.25, "alloc/trust_prefixes": 1.0,  # the step's, as given
 }
 # 8 predicted nodes (p, y, w): B (.05,0,2) (.1,0,2) (.2,0,3) (.3,0,1); C (.4,1/3,3) (.7,.5,2);
 # A (.5,.5,4) (.6,1/3,3). W = 20.

@@ -23,7 +23,11 @@ single-turn, or its prefixes are capped) is pooled and spent on other prompts' p
 
 Exploration (``prompt``, ``trace``, ``oracle``): ``floor(explore_fraction * B / G)`` prompts
 (B the root budget) get G rollouts each, drawn by the allocator's RNG among the prompts the
-solver left out; the solver spends the rest. Cold start (``prompt``, ``prefix``, ``trace``):
+solver left out; the solver spends the rest. Trust (``prompt``, ``prefix``, ``trace`` with
+``full_trust_skill``): a stage's predictions plan only the share ``w`` of its budget that
+their measured skill earns (``allocation.trust``); the rest is planned as ``random_tree``
+plans it, G rollouts for random prompts and continuations from random prefixes. Cold start
+(``prompt``, ``prefix``, ``trace``):
 while the predictor has trained on fewer than ``cold_start_nodes`` nodes, roots are planned
 as by ``uniform`` (``prefix``, ``trace``: as by ``random_tree``, random prefixes included),
 so an untrained predictor steers nothing. ``oracle`` never cold-starts: its inputs are not a
@@ -62,6 +66,7 @@ from trace_lightning.math.solvers import (
     spendable_roots,
     unflatten,
 )
+from trace_lightning.allocation.trust import Stage, Trust
 from trace_lightning.tree import Node, RolloutTree
 
 Kind = Literal["uniform", "random_tree", "prompt", "prefix", "trace", "oracle"]
@@ -134,6 +139,11 @@ class Allocator:
         cold_start_nodes: predictor training nodes needed before ``prompt``/``prefix``/``trace``
             trust it.
         max_continuations_per_prefix: most continuations from one prefix (None: no limit).
+        full_trust_skill: the measured Brier skill at which a stage's predictions plan all of
+            its budget (``allocation.trust``); below it they plan the share
+            ``skill / full_trust_skill`` and random_tree's rule the rest. None: predictions
+            plan everything, whatever their skill (``prompt``, ``prefix``, ``trace`` only).
+        skill_window: steps whose scored predictions measure the skill.
         seed: seed of the allocator's RNGs: one for exploration picks, drawn in
             ``plan_roots`` (identically on every rank: all plan the same global step), one
             for random prefixes, drawn once per step by ``PrefixPlanner`` to seed its
@@ -145,7 +155,9 @@ class Allocator:
     def __init__(self, kind: Kind, roots: int, continuations: int, max_rollouts_per_prompt: int,
                  group_size: int, prompts_per_step: int | None = None,
                  explore_fraction: float = 0.0, cold_start_nodes: int = 0,
-                 max_continuations_per_prefix: int | None = None, seed: int = 0) -> None:
+                 max_continuations_per_prefix: int | None = None,
+                 full_trust_skill: float | None = None, skill_window: int = 4,
+                 seed: int = 0) -> None:
         f = "--data.allocator."
         if kind not in KINDS:
             raise ValueError(f"{f}kind ({kind!r}) is unknown; expected one of {', '.join(KINDS)}")
@@ -185,6 +197,9 @@ class Allocator:
         self.cold_start_nodes = cold_start_nodes
         self.max_continuations_per_prefix = max_continuations_per_prefix
         self.seed = seed
+        # the oracle's inputs are true probabilities, not a model's: nothing to earn
+        self.trust = (Trust(full_trust_skill, skill_window)
+                      if full_trust_skill is not None and kind in _LEARNED else None)
         self._rng = np.random.default_rng(seed)  # random prefixes (rank-local draws)
         self._explore_rng = np.random.default_rng([seed, 1])  # exploration (global draws)
 
@@ -266,6 +281,17 @@ class Allocator:
     def is_cold(self, predictor_nodes_seen: int) -> bool:
         return self.kind in _LEARNED and predictor_nodes_seen < self.cold_start_nodes
 
+    # ---- trust -----------------------------------------------------------------------------
+    def weight(self, stage: Stage) -> float:
+        """The share of ``stage``'s budget its predictions plan (1 without ``trust``)."""
+        return 1.0 if self.trust is None else self.trust.weight(stage)
+
+    def record_outcomes(self, trees: Sequence[RolloutTree], stage1: Sequence[int]) -> None:
+        """Score the step's predictions against its outcomes (``Trust.record``); the next
+        step's plan follows them as far as their skill goes. No-op without trust."""
+        if self.trust is not None:
+            self.trust.record(trees, stage1)
+
     # ---- stage 1 ---------------------------------------------------------------------------
     def plan_roots(self, n_candidates: int, predictions: Sequence[float] | None = None,
                    predictor_nodes_seen: int = 0,
@@ -306,16 +332,24 @@ class Allocator:
             raise ValueError(f"{cand} ({n_candidates}) is below the {n_explore} exploration "
                              f"prompts of kind {self.kind!r} (explore_fraction "
                              f"{self.explore_fraction}); raise it")
-        solve = self.root_budget - n_explore * self.group_size
         if resting is not None and len(resting) != n_candidates:
             raise ValueError(f"resting ({len(resting)} values) must give one flag per "
                              f"candidate ({n_candidates})")
         # the candidates stage 1 may open: those not resting, if they can take the budget
         eligible = list(range(n_candidates))
         fresh = [i for i in eligible if resting is None or not resting[i]]
-        if len(fresh) < n_candidates and self._solver_cap(len(fresh)) is not None:
+        if len(fresh) < n_candidates and self._solver_cap(len(fresh), n_explore) is not None:
             eligible = fresh
-        k = self._solver_cap(len(eligible))
+        # the share of the solver's budget its predictions have not earned goes to random
+        # prompts of G rollouts, as many whole groups as leave the solver a spendable budget
+        shrink = math.floor((1.0 - self.weight("roots"))  # (+ 1e-9: a float's last bit)
+                            * (self.root_budget - n_explore * self.group_size) / self.group_size
+                            + 1e-9)
+        while shrink > 0 and self._solver_cap(len(eligible), n_explore + shrink) is None:
+            shrink -= 1
+        n_explore += shrink
+        solve = self.root_budget - n_explore * self.group_size
+        k = self._solver_cap(len(eligible), n_explore)
         if k is None:
             raise ValueError(f"{cand} ({n_candidates}) is too small: {n_candidates} prompts of at "
                              f"most {self.max_rollouts_per_prompt} rollouts cannot take the "
@@ -337,11 +371,10 @@ class Allocator:
         return RootPlan(rollouts=rollouts, random_picks=random_picks, cold_start=False,
                         resting=n_candidates - len(eligible))
 
-    def _solver_cap(self, n: int) -> int | None:
+    def _solver_cap(self, n: int, n_explore: int) -> int | None:
         """Most prompts the root solver may open among ``n`` eligible candidates (the
-        exploration prompts left outside its choice), or None when those cannot take the
-        solver's budget."""
-        n_explore = self.n_explore
+        ``n_explore`` random prompts left outside its choice), or None when those cannot take
+        the solver's budget."""
         solve = self.root_budget - n_explore * self.group_size
         k = n - n_explore
         if self.prompts_per_step is not None:
@@ -371,13 +404,18 @@ class Allocator:
 
     def state_dict(self) -> dict[str, Any]:
         """The RNG states (plain dicts and ints), for an exact resume."""
-        return {"rng": self._rng.bit_generator.state,
-                "explore_rng": self._explore_rng.bit_generator.state}
+        state = {"rng": self._rng.bit_generator.state,
+                 "explore_rng": self._explore_rng.bit_generator.state}
+        if self.trust is not None:
+            state["trust"] = self.trust.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._rng.bit_generator.state = state["rng"]
         if "explore_rng" in state:  # a state without it: exploration keeps its seeded RNG
             self._explore_rng.bit_generator.state = state["explore_rng"]
+        if self.trust is not None and "trust" in state:  # else: trust is earned again
+            self.trust.load_state_dict(state["trust"])
 
 
 class PrefixPlanner:
@@ -409,9 +447,12 @@ class PrefixPlanner:
                  trees: Sequence[RolloutTree]) -> None:
         self.allocator = allocator
         self.random = allocator.kind == "random_tree" or cold_start
+        # the share of each budget the predictions plan (random_tree's rule plans the rest)
+        self.weight = 1.0 if self.random else allocator.weight("prefixes")
         self.trees = list(trees)
         self._position = {id(t): i for i, t in enumerate(self.trees)}
-        self._base = int(allocator._rng.integers(2**63 - 1)) if self.random else 0
+        draws = self.random or self.weight < 1.0
+        self._base = int(allocator._rng.integers(2**63 - 1)) if draws else 0
         n = len(self.trees)
         self._prefixes: list[list[Node] | None] = [None] * n  # per tree, at planning
         self._pairs: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # (r, p)
@@ -437,13 +478,16 @@ class PrefixPlanner:
                 raise ValueError(f"tree {t.tree_id} is {why}; each tree is planned once")
             nodes = t.prefixes()
             budget = len(t.bare_rollouts()) * alloc.continuations
+            rng = np.random.default_rng([self._base, i])
             if self.random:
                 counts = [0] * len(nodes)
-                draw_random(counts, budget, np.random.default_rng([self._base, i]), cap)
+                draw_random(counts, budget, rng, cap)
             else:
                 self._pairs[i] = self._pairs_of(t, nodes)
+                at_random = self._untrusted(budget, rng)
                 counts = solve_prefixes([r for r, _ in self._pairs[i]],
-                                        [p for _, p in self._pairs[i]], budget, cap)
+                                        [p for _, p in self._pairs[i]], budget - at_random, cap)
+                draw_random(counts, at_random, rng, cap)
             self.pool_returned += budget - sum(counts)
             self._prefixes[i], self._counts[i] = nodes, counts
             for node, c in zip(nodes, counts):
@@ -467,7 +511,12 @@ class PrefixPlanner:
             self.unspent = self.pool_returned - draw_random(flat, self.pool_returned, rng, cap)
             new = unflatten(flat, [len(cs) for cs in self._counts])
         else:
-            new, self.unspent = spend_pool(self._pairs, self._counts, self.pool_returned, cap)
+            flat = [c for cs in self._counts for c in cs]
+            rng = np.random.default_rng([self._base, len(self.trees)])
+            at_random = draw_random(flat, self._untrusted(self.pool_returned, rng), rng, cap)
+            new, self.unspent = spend_pool(self._pairs,
+                                           unflatten(flat, [len(cs) for cs in self._counts]),
+                                           self.pool_returned - at_random, cap)
         out = []
         for t, nodes, old, counts in zip(self.trees, self._prefixes, self._counts, new):
             for node, c0, c in zip(nodes, old, counts):
@@ -476,6 +525,14 @@ class PrefixPlanner:
                     out.append((t, node.id, c - c0))
         self._counts = new
         return out
+
+    def _untrusted(self, budget: int, rng: np.random.Generator) -> int:
+        """How much of ``budget`` goes to random prefixes: ``(1 - weight) budget``, rounded
+        up or down at random so that its expectation is exact."""
+        if self.weight >= 1.0 or budget <= 0:
+            return 0
+        share = (1.0 - self.weight) * budget
+        return math.floor(share) + int(rng.random() < share - math.floor(share))
 
     def _pairs_of(self, t: RolloutTree, nodes: list[Node]) -> list[tuple[float, float]]:
         """``(r, p)`` per prefix: its bare rollout's reward and its prediction."""

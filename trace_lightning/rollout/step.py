@@ -50,6 +50,9 @@ class RolloutStep:
     # turns the step ran, each one batched engine call (the oracle's probes included): the
     # length of its longest chain of turns, which per-prompt stage 2 keeps short
     engine_calls: int = 0
+    # the share of each stage's budget the predictions planned ("roots", "prefixes"; from
+    # the allocator's measured trust); empty where trust is not measured
+    trust: dict[str, float] = field(default_factory=dict)
 
 
 def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Example],
@@ -83,6 +86,8 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
     tic, calls = time.perf_counter(), loop.engine_calls
     trees = [loop.new_tree(e) for e in candidates]
     cold = allocator.is_cold(predictor_nodes_seen)
+    trust = ({stage: allocator.weight(stage) for stage in ("roots", "prefixes")}
+             if allocator.trust is not None and not cold else {})
     informed = allocator.predicts and not cold
     if informed and predict is None:
         raise ValueError(f"allocator kind {allocator.kind!r} needs predictions; pass "
@@ -137,6 +142,8 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
 
     for t in chosen:
         t.compute_values()
+    if informed:  # the predictions that steered this step, scored: how far the next trusts them
+        allocator.record_outcomes(chosen, [m for _, m in opened])
     sequences = [s for t in chosen for s in t.flatten()]
     for seq, adv in zip(sequences, assign_advantages(sequences, chosen, advantage)):
         seq.token_advantages = adv
@@ -145,7 +152,7 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
                        pool_returned=planner.pool_returned if planner else 0,
                        unspent=planner.unspent if planner else 0, seconds=seconds,
                        cold_start=plan.cold_start, stage1=[m for _, m in opened],
-                       engine_calls=loop.engine_calls - calls)
+                       engine_calls=loop.engine_calls - calls, trust=trust)
 
 
 OracleNodes = Literal["all", "roots", "prefixes"]
