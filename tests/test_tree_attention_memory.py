@@ -28,7 +28,8 @@ from trace_lightning.math.advantage import assign_advantages
 from trace_lightning.math.loss import weighted_policy_loss
 from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule
-from trace_lightning.training.tree_attention import TREE_SDPA, tree_block_mask
+from trace_lightning.training.tree_attention import (TREE_SDPA, attention_inputs,
+                                                     tree_block_mask)
 from trace_lightning.training.tree_packing import WEIGHT_KEYS, collate_units, update_units
 
 VOCAB = 97
@@ -124,12 +125,20 @@ def test_the_placeholder_without_a_plan_is_refused(long_row):
               attention_mask=torch.empty(1, 1, 0, 0, dtype=torch.bool))
 
 
-def test_the_block_mask_is_built_block_by_block(long_row):
-    """No T x T tensor at T = 3,000 (``create_block_mask`` evaluates every pair)."""
-    end = long_row["subtree_end"]
-    t = end.shape[1]
+def test_the_block_mask_is_built_block_by_block(long_row, monkeypatch):
+    """A FlexAttention policy's packed inputs at T = 3,000: no T x T tensor, and neither of
+    torch's dense builders (``create_block_mask`` evaluates the mask at every pair)."""
+    from torch.nn.attention import flex_attention
+
+    def dense(*args, **kwargs):
+        raise AssertionError("a dense block-mask builder ran")
+
+    monkeypatch.setattr(flex_attention, "create_mask", dense)
+    monkeypatch.setattr(flex_attention, "create_block_mask", dense)
+    model = policy("flex_attention")
+    t = long_row["subtree_end"].shape[1]
     with NoSquareTensors(t * t):
-        mask = tree_block_mask(end)
+        mask = attention_inputs(model, long_row)["attention_mask"]
     assert mask.shape[-2:] == (t, t)
     assert int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) < (t // 128) ** 2 / 2
 
