@@ -192,3 +192,27 @@ def test_memory_by_tokens_quick_mode(tmp_path):
     row = line["memory_by_tokens_detail"]["rows"]["700"]
     assert row["tokens"] == 700  # the row is filled to exactly that length
     assert row["peak_rss_mb"] >= row["rss_before_forward_mb"] > 0
+
+
+@pytest.mark.slow
+def test_flex_attention_with_full_blocks_gives_the_dense_log_probs():
+    """Two packed rows of full-size Search-R1-shaped trees (550-token nodes: many blocks of
+    128 wholly inside a subtree, which FlexAttention runs without mask_mod; the shorter row
+    padded): FlexAttention's log-probs (its forward, compiled; on CPU it has no backward)
+    equal the dense ``sdpa`` mask's."""
+    bench = load_update_benchmark()
+    units = []
+    for tree in bench.search_r1_trees(VOCAB, seed=1, prompts=2):
+        leaves = tree.flatten()
+        for s, adv in zip(leaves, assign_advantages(leaves, [tree], "grpo")):
+            s.token_advantages = adv
+        units += update_units(tree, leaves, 100_000)
+    mb = collate_units([units[:1], units[1:]], pad_id=0)  # (2, T)
+    mask = tree_block_mask(mb["subtree_end"])
+    assert int(mask.full_kv_num_blocks.sum()) > 100 and int(mask.kv_num_blocks.sum()) > 100
+    model = policy("sdpa")
+    with torch.no_grad():
+        want, _ = TraceModule._logprobs(model, mb)
+        model.set_attn_implementation("flex_attention")
+        got, _ = TraceModule._logprobs(model, mb)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
