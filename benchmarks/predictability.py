@@ -90,6 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also write the JSON line here (default docs/results/predictability.json; "
                         "none with --quick)")
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the child collects with them
     if args.quick:
         args.prompts, args.rollouts, args.group = 40, 4, 2
         args.prefixes_per_prompt, args.continuations, args.batch_prompts = 1, 4, 40
@@ -233,11 +234,8 @@ def labelled_set(args, name: str, policy_dir: str) -> dict:
     (each vLLM engine lives in a process of its own)."""
     path = cache_path(args, name, policy_dir)
     if not path.exists():
-        cmd = [sys.executable, str(HERE), *sys.argv[1:], f"--collect={name}={policy_dir}",
-               f"--cache-dir={args.cache_dir}"]
-        if args.quick and "--quick" not in cmd:
-            cmd.append("--quick")
-        subprocess.run(cmd, check=True)
+        subprocess.run([sys.executable, str(HERE), *args.argv,
+                        f"--collect={name}={policy_dir}"], check=True)
     data = np.load(path, allow_pickle=False)
     out: dict = {"roots": {}, "prefixes": {}}
     for k in data.files:
@@ -322,9 +320,10 @@ def shared_predictor(train: list[tuple], test: list[np.ndarray], seed: int) -> l
 def ceiling(y: np.ndarray, n: np.ndarray) -> float:
     """Brier skill of the true success probabilities against rates of ``n`` samples: their
     Brier score is the binomial noise ``p (1 - p) / n``, estimated without bias by
-    ``y (1 - y) / (n - 1)``."""
+    ``y (1 - y) / (n - 1)``; NaN when the rates do not vary."""
     noise = float(np.mean(y * (1 - y) / np.maximum(n - 1, 1)))
-    return 1.0 - noise / float(np.var(y))
+    spread = float(np.var(y))
+    return 1.0 - noise / spread if spread > 0 else float("nan")  # NaN: every rate equal
 
 
 def score(p: np.ndarray, y: np.ndarray) -> dict:
@@ -394,7 +393,8 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--policies {name}={folder}: no Hugging Face policy there (no "
                              f"config.json); the main job writes its trained policy to "
                              f"{TRAINED}, or pass another folder")
-    result = {"benchmark": "predictability", "config": vars(args), "signals": SIGNALS,
+    config = {k: v for k, v in vars(args).items() if k not in ("argv", "collect")}
+    result = {"benchmark": "predictability", "config": config, "signals": SIGNALS,
               "policies": {}}
     for name, folder in policies.items():
         result["policies"][name] = study(labelled_set(args, name, folder), args.seed)

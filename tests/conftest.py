@@ -24,6 +24,14 @@ def shared_data() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> Path:
+    """The small demo world (``builders.SMALL_DEMO``), prepared once per session."""
+    from builders import small_demo
+
+    return small_demo(tmp_path_factory.mktemp("demo") / "world")
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """Every test leaves ``os.environ`` as it found it. Lightning's in-process FSDP and DDP

@@ -21,20 +21,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 from trace_lightning.tasks.search_qa.environment import SEARCH_R1_INSTRUCTION as SEARCH_R1  # noqa: E402
 
-# a small world and a short warm start: the pipeline is what is tested here
-SMALL_DEMO = {"n_people": 60, "n_cities": 12, "n_countries": 4, "n_companies": 12,
-              "n_questions": 80, "n_eval_questions": 16, "warm_questions": 200,
-              "warm_start_batch": 8, "warm_start_threads": 1,
-              "model": {"hidden_size": 64, "layers": 2, "intermediate": 128}}
-
-
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory) -> Path:
-    from trace_lightning.tasks.search_qa.demo.prepare import prepare_demo
-
-    out = tmp_path_factory.mktemp("demo") / "world"
-    prepare_demo(out, warm_start_steps=40, **SMALL_DEMO)
-    return out
+from builders import SMALL_DEMO, SMALL_DEMO_WARM_START_STEPS  # noqa: E402
 
 
 def demo_args(demo_dir: Path, root: Path, epochs: int, *extra: str) -> list[str]:
@@ -43,7 +30,8 @@ def demo_args(demo_dir: Path, root: Path, epochs: int, *extra: str) -> list[str]
         f"--trainer.max_epochs={epochs}", f"--trainer.default_root_dir={root}",
         f"--trainer.logger.init_args.save_dir={root}",
         f"--model.policy_path={demo_dir / 'model'}",
-        f"--data.demo.out_dir={demo_dir}", "--data.demo.warm_start_steps=40",
+        f"--data.demo.out_dir={demo_dir}",
+        f"--data.demo.warm_start_steps={SMALL_DEMO_WARM_START_STEPS}",
         f"--data.demo.options={json.dumps(SMALL_DEMO)}",
         "--data.allocator.roots=8", "--data.allocator.group_size=4",
         "--data.allocator.cold_start_nodes=0", "--data.allocator.explore_fraction=0.25",

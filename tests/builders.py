@@ -1,0 +1,20 @@
+"""Builders shared by the tests: a small demo world (one per session, see conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# a small world and a short warm start: the pipeline is what is tested with it
+SMALL_DEMO = {"n_people": 60, "n_cities": 12, "n_countries": 4, "n_companies": 12,
+              "n_questions": 80, "n_eval_questions": 16, "warm_questions": 200,
+              "warm_start_batch": 8, "warm_start_threads": 1,
+              "model": {"hidden_size": 64, "layers": 2, "intermediate": 128}}
+SMALL_DEMO_WARM_START_STEPS = 40
+
+
+def small_demo(out: Path) -> Path:
+    """Prepare the small demo world under ``out`` (its tokenizer, policy and warm start)."""
+    from trace_lightning.tasks.search_qa.demo.prepare import prepare_demo
+
+    prepare_demo(out, warm_start_steps=SMALL_DEMO_WARM_START_STEPS, **SMALL_DEMO)
+    return out
