@@ -11,9 +11,11 @@ Two measurements on one tiny Qwen3 (random weights, tokenizer trained on HotpotQ
    tokens, so every leaf has the same total length. Also the same continuations with a cold
    (reset) prefix cache, to separate the cache's share from the shorter decode.
 
-Prints a table and ends with one JSON line.
+Prints a table and ends with one JSON line, also written to ``--out`` (default
+docs/results/engines.json, none with --quick).
 
     python benchmarks/engines.py            # about 2-4 minutes on 2 CPU cores
+    python benchmarks/engines.py --quick    # a 2-layer model, a few short rollouts (a test runs it)
 """
 
 from __future__ import annotations
@@ -63,9 +65,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads for both engines (vLLM freezes the count once started)")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--out", default=str(provenance.RESULTS / "engines.json"),
-                   help="also write the JSON line here (empty: nowhere)")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true",
+                   help="hidden 64, 2 layers, vocab 512; 4 prompts x 2 samples of 16 tokens, "
+                        "4 leaves of 48 tokens branched at 16")
+    p.add_argument("--out", default=None,
+                   help="also write the JSON line here (default docs/results/engines.json, "
+                        "none with --quick; empty: nowhere)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.hidden, args.layers, args.vocab = 64, 2, 512
+        args.prompts, args.prompt_len, args.n, args.new_tokens = 4, 32, 2, 16
+        args.leaves, args.rollout_len, args.branch_depth = 4, 48, 16
+    if args.out is None and not args.quick:
+        args.out = str(provenance.RESULTS / "engines.json")
+    return args
 
 
 def timed(fn):
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {len(tok)}; "
           f"vLLM {'compiled' if args.compile else 'eager'}, block {args.block_size}, start "
-          f"{start_sec:.1f} s; load average {result['load_avg_1m']:.1f}")
+          f"{start_sec:.1f} s; load average before {stamp.load_before[0]:.1f}")
     header = f"{'case':<26}{'engine':<7}{'leaves':>7}{'gen tok':>9}{'sec':>8}{'tok/s':>8}" \
              f"{'s/leaf':>8}{'cached/prefill':>16}"
     print(header)
@@ -168,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                       for r in rows]
     print(f"continuation / fresh, per leaf: {result['continuation_vs_fresh_per_leaf']} "
           f"(cold cache: {result['cold_continuation_vs_fresh_per_leaf']})")
+    vllm.close()  # its KV cache and the process's torch threads back to a caller (a test)
     provenance.publish(result, stamp, args.out)
     tmp.cleanup()
     return result
