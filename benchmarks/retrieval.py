@@ -22,6 +22,9 @@ RSS before. The JSON line also goes to ``--out`` (default docs/results/retrieval
 
     python benchmarks/retrieval.py --clients 64 --duration-s 20   # ~40 s with the start
 
+``--quick`` (a test runs it): recall over the first 50 questions per dataset, or with
+``--clients`` at most 3 s of load; its line goes to ``--out`` only.
+
 On a small machine the clients share the cores with the server: the latencies include the
 clients' own waits for a core.
 """
@@ -315,11 +318,18 @@ def main(argv: list[str] | None = None) -> dict:
                       help="whose corpus is served and whose dev questions are asked")
     load.add_argument("--queries-per-request", type=int, default=1)
     load.add_argument("--topk", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="recall: the first 50 questions per dataset (unless --limit); "
+                             "load: at most 3 s; nothing written unless --out")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"also write the JSON line here (default with --clients: "
                              f"{OUT.relative_to(REPO)}, without it and --limit: "
-                             f"{RECALL_OUT.relative_to(REPO)}; the published figures' files)")
+                             f"{RECALL_OUT.relative_to(REPO)}; the published figures' files; "
+                             f"none with --quick)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.limit = args.limit or 50
+        args.duration_s = min(args.duration_s, 3.0)
     for name in ("clients", "max_requests", "queries_per_request", "topk"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -330,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
     stamp = provenance.Stamp()
     result = load_main(args) if args.clients is not None else recall_main(args)
     # the default runs publish; a run over the first --limit questions is a smaller one
-    out = args.out or (OUT if args.clients is not None
+    out = args.out or (None if args.quick else OUT if args.clients is not None
                        else RECALL_OUT if args.limit is None else None)
     provenance.publish(result, stamp, out)
     return result
