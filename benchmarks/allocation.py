@@ -325,6 +325,8 @@ def main(argv=None) -> dict:
         predictor.learn(learn_from, learn_rows)
         snapshot = {k: v.clone() for k, v in predictor.model.state_dict().items()}
 
+    loop.engine.close()  # its KV cache and the process's torch threads back to a caller
+
     rows = {}
     for kind in kinds:
         figs = per_kind[kind]

@@ -105,6 +105,8 @@ def main(argv=None) -> dict:
         predictor.learn(learn_from)  # as in training: online, from the trace step
         snapshot = {k: v.clone() for k, v in predictor.model.state_dict().items()}
 
+    loop.engine.close()  # its KV cache and the process's torch threads back to a caller
+
     rows: dict[str, dict] = {}
     print(f"\nrollout schedule: {args.roots} x (1 + {args.continuations}) leaves per step, "
           f"{args.candidates} candidates, {args.steps} steps")
