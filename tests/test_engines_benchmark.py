@@ -31,12 +31,16 @@ def test_full_mode_publishes_and_quick_mode_does_not(bench):
     assert bench.parse_args(["--quick", "--out", "x.json"]).out == "x.json"
 
 
-def test_quick_mode_measures_both_engines_and_the_tree_leaves(bench, shared_data, capsys):
+def test_quick_mode_measures_both_engines_and_the_tree_leaves(bench, shared_data, capsys,
+                                                             tmp_path, monkeypatch):
+    results = tmp_path / "results"  # docs/results/ as the benchmark sees it: left empty
+    monkeypatch.setattr(bench.provenance, "RESULTS", results)
     threads = torch.get_num_threads()
     try:
         result = bench.main(["--quick", f"--data={shared_data}"])
     finally:
         torch._C.set_num_threads(threads)  # the benchmark sets its own count for the session
+    assert not results.exists()
     rows = {(r["case"], r["engine"]): r for r in result["rows"]}
     assert set(rows) == {("throughput", "hf"), ("throughput", "vllm"), ("fresh rollout", "vllm"),
                          ("continuation", "vllm"), ("continuation, cold cache", "vllm")}
