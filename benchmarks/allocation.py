@@ -30,7 +30,12 @@ Reported per allocator (means over steps):
   (a non-zero prompt-group advantage; Tree-GRPO's group-of-one term is left out because
   it is non-zero for every lone success, contrast or not);
 - leaves, generated tokens, tool calls per step; Brier skill of the predictions that steered
-  the step (1 - Brier / Brier of the constant mean) on its nodes, its roots, its prefixes.
+  the step (1 - Brier / Brier of the constant mean) against what followed them, as trust
+  scores them (``allocation.trust.outcomes``): each opened root against its stage-1 bare
+  rollouts' success rate, each branched prefix against its continuations' (not its own
+  rollout's outcome, which stage 2 had seen); both pooled, roots, prefixes;
+- the share of each stage's budget the predictions planned (``trust_roots``,
+  ``trust_prefixes``; 1 where trust is off or the kind reads no prediction).
 
     python benchmarks/allocation.py               # configs/demo.yaml's step; about 6 min here
     python benchmarks/allocation.py --roots 32 --candidates 96 --steps 16   # a quarter of it
@@ -68,6 +73,7 @@ from trace_lightning.rollout.engines.base import SamplingConfig  # noqa: E402
 from trace_lightning.tasks.search_qa.environment import SearchEnvironment  # noqa: E402
 from trace_lightning.allocation.history import PromptHistory  # noqa: E402
 from trace_lightning.allocation.posterior import PrefixPosterior  # noqa: E402
+from trace_lightning.allocation.trust import outcomes  # noqa: E402
 from trace_lightning.allocation.features import Featuriser  # noqa: E402
 from trace_lightning.allocation.predictor import (ReplayBuffer, SuccessPredictor,  # noqa: E402
                                        fit_predictor, predict_nodes, training_batch)
@@ -236,13 +242,13 @@ def step_figures(step: RolloutStep) -> dict:
         rewards = [leaf.reward for leaf in t.leaves()]
         mean = sum(rewards) / len(rewards)
         informative += sum(abs(r - mean) > 1e-9 for r in rewards)
-    def skill(roots: bool | None) -> float:
-        preds = [(n.prediction, n.value, n.n_leaves) for t in trees for n in t.nodes
-                 if n.prediction is not None and n.value is not None and not n.finished
-                 and (roots is None or (n.parent is None) == roots)]
-        if not preds:
+    scored = outcomes(trees, step.stage1)  # what followed each prediction (as trust scores it)
+
+    def skill(stages: tuple[str, ...]) -> float:
+        rows = [r for stage in stages for r in scored[stage]]
+        if not rows:
             return float("nan")
-        p, y, w = (np.array(x, dtype=float) for x in zip(*preds))
+        p, y, w = (np.array(x, dtype=float) for x in zip(*rows))
         return brier_skill(p, y, w)
     mixed = sum(t.mixed for t in trees)
     return {"effective_ratio": mixed / max(len(trees), 1),
@@ -251,8 +257,8 @@ def step_figures(step: RolloutStep) -> dict:
             "prompts": len(trees), "mixed_prompts": mixed,
             "leaves": step.budget.leaves,
             "generated_tokens": step.budget.generated_tokens,
-            "tool_calls": step.budget.tool_calls, "brier_skill": skill(None),
-            "skill_roots": skill(True), "skill_prefixes": skill(False)}
+            "tool_calls": step.budget.tool_calls, "brier_skill": skill(("roots", "prefixes")),
+            "skill_roots": skill(("roots",)), "skill_prefixes": skill(("prefixes",))}
 
 
 def main(argv=None) -> dict:
