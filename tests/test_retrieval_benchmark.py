@@ -4,7 +4,6 @@ their own), and where the full modes publish."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,17 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from builders import load_benchmark
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "retrieval.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_retrieval", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("retrieval")
 
 
 def test_quick_recall_on_both_datasets(bench, shared_data, tmp_path, capsys, monkeypatch):
