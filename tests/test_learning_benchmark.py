@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py"
+from builders import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    # a summary without --out would publish to docs/results: here it goes to a temp folder
+    mod = load_benchmark("learning")
+    # a summary without --out would publish to docs/results: here it goes to a temp folder,
+    # and back after this module (provenance is one module shared by every benchmark)
+    published = mod.provenance.RESULTS
     mod.provenance.RESULTS = tmp_path_factory.mktemp("results")
-    return mod
+    yield mod
+    mod.provenance.RESULTS = published
 
 
 def test_budget_to_reach_is_the_first_evaluation_at_the_target(bench):
