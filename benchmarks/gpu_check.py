@@ -62,6 +62,7 @@ def load(name: str):
 
 gpu = load("gpu")
 import torch  # noqa: E402
+from lightning.fabric.utilities.apply_func import move_data_to_device  # noqa: E402
 
 from trace_lightning.math.advantage import assign_advantages  # noqa: E402
 from trace_lightning.math.loss import weighted_policy_loss  # noqa: E402
@@ -206,17 +207,6 @@ def last_scalars(root: Path) -> dict:
 
 
 # ---- 2. packed against per-leaf --------------------------------------------------------
-def to_device(x, device):
-    """A micro-batch value on ``device``: tensors, and the lists / dicts holding them."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, dict):
-        return {k: to_device(v, device) for k, v in x.items()}
-    if isinstance(x, list):
-        return [to_device(v, device) for v in x]
-    return x
-
-
 def equivalence_trees(s, model, n_trees: int) -> list:
     """Search-R1-shaped trees (``update.py``'s: leaves of 1,950 tokens at rows of 8,192,
     scaled with the rows) whose behaviour log-probs are the model's own plus noise (sd 0.3),
@@ -250,7 +240,7 @@ def loss_and_grads(model, micro: list[dict], normalizer: float, device):
     model.zero_grad(set_to_none=True)
     total = 0.0
     for mb in micro:
-        mb = to_device(mb, device)
+        mb = move_data_to_device(mb, device)
         logp, ent = TraceModule._logprobs(model, mb, with_entropy=True)  # (B, T) each
         loss, _ = weighted_policy_loss(logp, mb["old_logprobs"].to(logp.dtype),
                                        {k: mb[k] for k in WEIGHT_KEYS},
