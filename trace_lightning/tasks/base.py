@@ -7,8 +7,17 @@ small interfaces, and nothing else in the framework reads a task's specifics:
 - ``Task``: one agent's environment. It turns an ``Example`` into prompt token ids, names the
   stop strings that end a turn, parses a generated turn into a tool call, a final answer or
   an invalid turn (``Turn``), executes a turn's tool calls in one batch (observations as
-  token ids) and scores a finished trajectory: a scalar reward and a dict of per-task
-  metrics, which the tree stores and validation reports per dataset (``val/<set>/<metric>``).
+  token ids) and scores a finished trajectory against its example: a scalar reward and the
+  task's declared metrics, which the tree stores and validation reports per dataset
+  (``val/<set>/<metric>``).
+- Tool state: a task whose tools keep state between turns (a SQL session's temporary tables,
+  an interpreter's variables) opens one ``ToolState`` per trajectory (``Task.start``) and
+  its calls run against it. TRACE continues trajectories from turn-level prefixes, so a
+  continuation must start from the state its prefix left; the task says how
+  (``Task.continuation``): ``"fork"`` copies the state saved after the prefix's last turn,
+  ``"replay"`` re-runs the prefix's tool calls on a fresh state (deterministic tools; the
+  loop checks each replayed observation against the one the prefix holds). A stateless task
+  (search, a calculator) returns None from ``start`` and says ``"none"``.
 - ``TaskData``: where a task's examples and resources come from. Its constructor checks its
   settings (before any work); it prepares what it needs on disk once per node (a generated
   world, a warm-started policy, an index), loads the training and validation examples, and
@@ -24,22 +33,28 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 # A turn's kind besides its task's tool names: the episode ends on either.
 ANSWER, INVALID = "answer", "invalid"
 
 
+# How a continuation gets the tool state its prefix left (see the module docstring).
+Continuation = Literal["none", "fork", "replay"]
+
+
 @dataclass
 class Example:
-    """One prompt of a task: its text, every accepted answer (``answers[0]`` the gold one)
-    and the dataset it belongs to (a validation set's name in metric keys)."""
+    """One prompt of a task: its text, every accepted answer (``answers[0]`` the gold one),
+    the dataset it belongs to (a validation set's name in metric keys) and the per-example
+    data its task defines (``extras``: search QA's ``supporting_titles``, a SQL question's
+    database and gold query), which only that task reads."""
 
     id: str
     question: str
     answers: list[str]
     dataset: str = ""
-    supporting_titles: list[str] = field(default_factory=list)  # search QA; [] elsewhere
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,6 +73,19 @@ class Turn:
 
 
 @runtime_checkable
+class ToolState(Protocol):
+    """One trajectory's tool state, opened by ``Task.start`` and passed back to
+    ``Task.execute`` with each of its calls."""
+
+    def fork(self) -> ToolState:
+        """An independent copy: what this state holds now, evolving apart from it."""
+
+    def close(self) -> None:
+        """Release what the state holds (connections, temporary files); called once, when
+        its trajectory has ended or the step no longer needs it."""
+
+
+@runtime_checkable
 class Task(Protocol):
     """One agent's environment (see the module docstring).
 
@@ -68,6 +96,10 @@ class Task(Protocol):
         max_seq_tokens: a trajectory's tokens before it is cut.
         calls_metric: the name under which validation counts a trajectory's tool calls
             (``searches`` for search QA).
+        metrics: the names of the metrics ``score`` returns (search QA: ``("em", "f1")``);
+            validation reports each per dataset and averages them over the sets.
+        continuation: how a continuation gets its prefix's tool state: ``"none"``
+            (stateless tools), ``"fork"`` or ``"replay"`` (see the module docstring).
 
     A task may also describe a prompt to the success predictor before any rollout:
     ``prompt_features(example) -> list[float]``, a fixed number of numbers per prompt that
@@ -80,6 +112,8 @@ class Task(Protocol):
     max_turns: int
     max_seq_tokens: int
     calls_metric: str
+    metrics: Sequence[str]
+    continuation: Continuation
 
     def prompt(self, example: Example) -> tuple[list[int], str]:
         """Token ids and text of the root prompt of ``example``."""
@@ -87,14 +121,29 @@ class Task(Protocol):
     def parse(self, text: str) -> Turn:
         """One generated turn (cut at its first stop string), parsed; never raises."""
 
-    def execute(self, calls: Sequence[Turn]) -> list[tuple[list[int], str]]:
-        """The observation of each tool call, as token ids and text, in one batch; a call
-        that fails (a bad expression, a query the tool refuses) gets an error observation,
-        never an exception for the step."""
+    def start(self, example: Example) -> ToolState | None:
+        """A new trajectory's tool state for ``example`` (None for stateless tools)."""
 
-    def score(self, final: Turn, answers: Sequence[str]) -> tuple[float, dict[str, float]]:
-        """The reward of a trajectory that ended on ``final`` (0 unless it answered) and its
-        per-task metrics (search QA: ``{"em", "f1"}``)."""
+    def execute(self, calls: Sequence[Turn], states: Sequence[ToolState | None]
+                ) -> list[tuple[list[int], str]]:
+        """The observation of each tool call, as token ids and text, in one batch; call i
+        runs against ``states[i]`` (its trajectory's). A call that fails (a bad expression,
+        a query the tool refuses) gets an error observation, never an exception for the
+        step."""
+
+    def score(self, final: Turn, example: Example) -> tuple[float, dict[str, float]]:
+        """The reward of a trajectory of ``example`` that ended on ``final`` (0 unless it
+        answered) and its ``metrics`` (search QA: ``{"em", "f1"}``)."""
+
+
+class StatelessTools:
+    """What a task whose tools keep no state between turns says about tool state: a mixin
+    for ``Task`` classes (search, a calculator)."""
+
+    continuation: Continuation = "none"
+
+    def start(self, example: Example) -> None:
+        return None
 
 
 class TaskData(abc.ABC):
@@ -106,7 +155,8 @@ class TaskData(abc.ABC):
     Attributes (set by the subclass):
         train_examples: the training prompts (loaded by ``setup`` when fitting).
         val_examples: validation set name -> its prompts (``dataset`` set to the name).
-        metric: the validation metric summaries and the progress bar show (``em``).
+        metric: the validation metric summaries and the progress bar show (``em``), one of
+            its ``Task``'s ``metrics``.
         max_seq_tokens: a trajectory's tokens before it is cut (the engine's context and
             the micro-batches must hold one).
     """
