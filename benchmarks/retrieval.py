@@ -76,7 +76,7 @@ def bench(name: str, data: Path, limit: int | None, batch_size: int,
     start = time.perf_counter()
     results = retriever.search(questions, max(KS))
     local_s = time.perf_counter() - start
-    recall = {k: sum(any(p.title in e.supporting_titles for p in ps[:k])
+    recall = {k: sum(any(p.title in e.extras["supporting_titles"] for p in ps[:k])
                      for e, ps in zip(examples, results)) / len(examples) for k in KS}
 
     server, url = serve_in_thread(retriever)

@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
                                     advantage="grpo", overlap=schedule == "overlap")
                 figs[(kind, schedule)].append({
                     # the phase's wall time, its searches included (they wait on turns too)
-                    "rollout_s": step.seconds["rollout"] + step.seconds["retrieval"],
+                    "rollout_s": step.seconds["rollout"] + step.seconds["tools"],
                     "predict_s": step.seconds["predict"],
                     "engine_calls": step.engine_calls,
                     # every turn adds one node per trajectory it ran

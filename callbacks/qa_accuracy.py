@@ -59,17 +59,21 @@ class DatasetMeans(Metric):
 
 
 class QAAccuracy(pl.Callback):
-    """The task's metrics (EM, F1), reward, tool calls per question and malformed-answer
-    share per validation set.
+    """The task's metrics (search QA: EM, F1), reward, tool calls per question and
+    malformed-answer share per validation set.
 
     Args:
         prefix: the metric namespace (``<prefix>/<dataset>/em``, ``<prefix>/em``).
-        overall: the metrics also averaged over the sets (``<prefix>/em``); a task's
-            (``correct`` for the arithmetic task).
+        overall: the metrics also averaged over the sets (``<prefix>/em``); None: the task's
+            declared metrics, its headline first (the datamodule's ``task_metrics``:
+            ``em``, ``f1`` for search QA, ``correct`` for arithmetic), which the progress bar
+            shows the first of.
     """
 
-    def __init__(self, prefix: str = "val", overall: tuple[str, ...] = ("em", "f1")):
-        self.prefix, self.overall = prefix, tuple(overall)
+    def __init__(self, prefix: str = "val", overall: tuple[str, ...] | None = None):
+        self.prefix = prefix
+        self.overall: tuple[str, ...] = tuple(overall or ())
+        self._task_overall = overall is None  # resolved from the task at the first validation
         self.fields: tuple[str, ...] | None = None  # the rows' fields, from the first batch
         warnings.filterwarnings(
             "ignore", category=PossibleUserWarning,
@@ -85,6 +89,13 @@ class QAAccuracy(pl.Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # only the sets this validation sees: one from an earlier run would log its 0 count
         self.metrics.clear()
+
+    def _resolve_overall(self, trainer: pl.Trainer) -> None:
+        """``overall`` None: the task's metrics, as the datamodule read them from the task
+        its validation rolled out with."""
+        if self._task_overall:
+            datamodule = getattr(trainer, "datamodule", None)
+            self.overall = tuple(getattr(datamodule, "task_metrics", ()) or ())
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                 outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -127,6 +138,7 @@ class QAAccuracy(pl.Callback):
             for k, v in m.compute().items():
                 out[f"{self.prefix}/{name}/{k}"] = v
             m.reset()
+        self._resolve_overall(trainer)
         for k in self.overall:
             per_set = [out[f"{self.prefix}/{n}/{k}"] for n in names
                        if f"{self.prefix}/{n}/{k}" in out]

@@ -4,7 +4,7 @@ At epoch start (the step is ready, see ``callbacks._common``), over all ranks:
 
 - ``perf/rollout_tokens_per_s``: generated tokens of every rank / the slowest rank's rollout
   seconds (ranks roll out in parallel);
-- ``perf/<phase>_s`` for each phase the step timed (``rollout``, ``retrieval``,
+- ``perf/<phase>_s`` for each phase the step timed (``rollout``, ``tools``,
   ``predict``);
   ``perf/sync_s``: the datamodule's latest weight sync; ``perf/sync_logprob_diff``: its
   largest engine-vs-policy log-prob difference (max over ranks);

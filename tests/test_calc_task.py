@@ -269,7 +269,7 @@ def test_execute_gives_results_and_error_observations(task, tokenizer):
     (Turn("invalid", error="no <calc> or <answer>"), 0.0),
 ])
 def test_score(task, final, reward):
-    assert task.score(final, ["14"]) == (reward, {"correct": reward})
+    assert task.score(final, Example("q", "?", ["14"])) == (reward, {"correct": reward})
 
 
 def test_prompt_and_stop_strings(task, tokenizer):
@@ -399,7 +399,7 @@ def test_prepare_builds_once_and_setup_reads_the_sets(tmp_path):
     from transformers import AutoTokenizer
     env = data.environment(AutoTokenizer.from_pretrained(out / "model"), "calc_heldout")
     assert isinstance(env, CalcTask) and env.max_turns == data.max_turns
-    assert env.score(Turn("answer", held[0].answers[0]), held[0].answers)[0] == 1.0
+    assert env.score(Turn("answer", held[0].answers[0]), held[0])[0] == 1.0
 
     CalcData(**{**kwargs, "seed": 5}).prepare(str(out / "model"), fitting=True)  # rebuilt
     assert json.loads((out / "manifest.json").read_text())["settings"]["seed"] == 5

@@ -104,7 +104,7 @@ def build_step(epoch: int = 0, trees: list[RolloutTree] | None = None,
                                      generated_tokens=500, prefill_tokens=800, cached_tokens=200,
                                      tool_calls=6),
                        pool_returned=1,
-                       seconds={"rollout": 2.0, "retrieval": 0.75, "predict": 0.5},
+                       seconds={"rollout": 2.0, "tools": 0.75, "predict": 0.5},
                        cold_start=False, engine_calls=7,
                        trust={"roots": 0.25, "prefixes": 1.0})
 

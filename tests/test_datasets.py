@@ -20,8 +20,8 @@ def test_load_real_hotpotqa_dev(shared_data):
     assert examples[0] == Example(
         id="5a8b57f25542995d1e6f1371",
         question="Were Scott Derrickson and Ed Wood of the same nationality?",
-        answers=["yes"], dataset="hotpotqa", supporting_titles=["Scott Derrickson", "Ed Wood"])
-    assert all(e.dataset == "hotpotqa" and e.answers and len(e.supporting_titles) == 2
+        answers=["yes"], dataset="hotpotqa", extras={"supporting_titles": ["Scott Derrickson", "Ed Wood"]})
+    assert all(e.dataset == "hotpotqa" and e.answers and len(e.extras["supporting_titles"]) == 2
                for e in examples)
 
 

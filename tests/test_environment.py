@@ -15,7 +15,7 @@ from trace_lightning.tasks.search_qa.environment import (
     format_passages,
     parse_turn,
 )
-from trace_lightning.tasks.base import Turn, through_first_stop
+from trace_lightning.tasks.base import Example, Turn, through_first_stop
 from trace_lightning.models import AGENT_TAGS, read_corpus_texts, train_tokenizer
 from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, Passage
 
@@ -24,7 +24,8 @@ EOS = "<|im_end|>"
 
 def scores(env: SearchEnvironment, final: Turn, golds) -> tuple[float, float, float]:
     """(reward, em, f1) of ``env.score``, whose metrics are a dict."""
-    reward, metrics = env.score(final, golds)
+    golds = [golds] if isinstance(golds, str) else list(golds)
+    reward, metrics = env.score(final, Example("q", "?", golds))
     assert set(metrics) == {"em", "f1"}
     return reward, metrics["em"], metrics["f1"]
 
@@ -384,7 +385,7 @@ def test_prompt_features_by_hand(tokenizer):
         "Who met Ama and Cid?": ["Cid", "Ama Ola", "Bo"],
     })
     env = SearchEnvironment(tokenizer, retriever, topk=3)
-    ex = Example("q1", "Who met Ama and Cid?", ["x"], supporting_titles=["Ama", "Bo", "Cid"])
+    ex = Example("q1", "Who met Ama and Cid?", ["x"], extras={"supporting_titles": ["Ama", "Bo", "Cid"]})
     # shown: Ama, Bo (2 of 3); first: Ama (1 of 3); the question's search shows Bo and Cid
     assert env.prompt_features(ex) == pytest.approx([2 / 3, 1 / 3, 2 / 3])
     assert len(env.prompt_features(ex)) == len(PROMPT_FEATURES)
@@ -400,7 +401,7 @@ def test_prompt_features_with_bm25_match_searches_one_at_a_time(env, retriever):
     from trace_lightning.tasks.base import Example
     titles = ["Scott Derrickson", "Ed Wood", "Tyler Bates"]
     ex = Example("5a8b57f25542995d1e6f1371", QUESTION, ["yes"], dataset="hotpotqa",
-                 supporting_titles=titles)
+                 extras={"supporting_titles": titles})
     got = env.prompt_features(ex)
     # reference: each search on its own, read by hand
     shown = first = asked = 0
@@ -420,7 +421,7 @@ def test_an_agent_loop_gives_new_trees_their_prompt_features_when_asked(tokenize
     from trace_lightning.tasks.base import Example
     from trace_lightning.tree import RolloutTree
     env = SearchEnvironment(tokenizer, Listed({"Ama": ["Ama"], "Who is Ama?": ["Bo"]}), topk=2)
-    ex = Example("q", "Who is Ama?", ["x"], supporting_titles=["Ama"])
+    ex = Example("q", "Who is Ama?", ["x"], extras={"supporting_titles": ["Ama"]})
     tree = AgentLoop(None, env, SamplingConfig(), describe=True).new_tree(ex)
     assert tree.prompt_features == [1.0, 1.0, 0.0]
     assert RolloutTree.from_dict(tree.to_dict()).prompt_features == [1.0, 1.0, 0.0]

@@ -19,7 +19,7 @@ from trace_lightning.tasks.search_qa.retrieval.bm25 import default_cache_dir
 def recall_at(retriever: BM25Retriever, examples, k: int) -> float:
     """Share of questions with at least one supporting title among the top k."""
     results = retriever.search([e.question for e in examples], k)
-    hits = [any(p.title in e.supporting_titles for p in ps) for e, ps in zip(examples, results)]
+    hits = [any(p.title in e.extras["supporting_titles"] for p in ps) for e, ps in zip(examples, results)]
     return sum(hits) / len(hits)
 
 

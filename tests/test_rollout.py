@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from dataclasses import replace
 import json
 import math
 import time
@@ -379,6 +380,111 @@ def test_continuation_of_a_hand_built_prefix(vllm_random, retriever, tokenizer, 
     check_continuations([Start(tree, node.id, 2)], spent, queries, calls, new, tokenizer, env,
                         seen=[len(root)] * 2)
     assert "Scott Derrickson nationality" not in queries
+
+
+# ---- tools with state: continuations inherit their prefix's -----------------------------------
+
+class SearchLog:
+    """A ``ToolState``: the queries its trajectory has searched so far, in order."""
+
+    def __init__(self, queries: list[str], counts: dict[str, int]):
+        self.queries, self.counts, self.closed = list(queries), counts, False
+
+    def fork(self) -> SearchLog:
+        self.counts["forks"] += 1
+        return SearchLog(self.queries, self.counts)
+
+    def close(self) -> None:
+        assert not self.closed, "a state is closed once"
+        self.closed = True
+        self.counts["closed"] += 1
+
+
+class NumberedSearch(SearchEnvironment):
+    """Search QA whose observation numbers the trajectory's searches (``search 3: ...``): a
+    tool with state, the count, which a continuation must inherit from its prefix; with
+    ``drift`` the observation also counts every call ever made (not deterministic)."""
+
+    def __init__(self, tokenizer, retriever, continuation: str, drift: bool = False):
+        super().__init__(tokenizer, retriever, topk=3, max_turns=4, max_obs_tokens=64,
+                         max_seq_tokens=768)
+        self.continuation, self.drift = continuation, drift
+        self.counts = {"started": 0, "forks": 0, "closed": 0, "executed": 0}
+        self.states: list[SearchLog] = []
+
+    def start(self, example: Example) -> SearchLog:
+        assert example.extras == {"tag": example.id}, "the example's own extras"
+        self.counts["started"] += 1
+        self.states.append(SearchLog([], self.counts))
+        return self.states[-1]
+
+    def execute(self, calls, states):
+        out = []
+        for call, state in zip(calls, states):
+            self.counts["executed"] += 1
+            state.queries.append(call.argument)
+            ever = f" ({self.counts['executed']} ever)" if self.drift else ""
+            text = f"\n\n<information>search {len(state.queries)}{ever}</information>\n\n"
+            out.append((self._encode(text), text))
+        return out
+
+
+def grow_with_continuations(engine, env, examples):
+    """Bare rollouts of every example, then two continuations of each tree's prefixes."""
+    loop, trees, _ = grow(engine, env, examples, 3, seed=1)
+    starts = [Start(t, p.id, 2) for t in trees for p in t.prefixes()]
+    loop.expand(starts, seed=2)
+    loop.release()
+    return trees, starts
+
+
+@pytest.mark.parametrize("continuation", ["fork", "replay"])
+def test_continuations_start_from_the_tool_state_their_prefix_left(
+        vllm_scripted, retriever, tokenizer, examples, continuation):
+    tagged = [replace(e, extras={"tag": e.id}) for e in examples]
+    env = NumberedSearch(tokenizer, retriever, continuation)
+    trees, starts = grow_with_continuations(vllm_scripted, env, tagged)
+    assert len(starts) >= 4 and any(s.tree.nodes[s.node].depth >= 2 for s in starts)
+    for tree in trees:
+        for node in tree.nodes[1:]:
+            if node.observation:  # its trajectory's k-th search says "search k"
+                k = sum(n.action == "search" for n in tree.path(node.id)[1:])
+                assert node.observation == f"\n\n<information>search {k}</information>\n\n"
+    # one state per trajectory; each closed once, the saved forks at release()
+    searches_before = {(id(s.tree), s.node): sum(bool(n.observation)
+                                                 for n in s.tree.path(s.node)) for s in starts}
+    bare, continued = 3 * len(examples), 2 * len(starts)
+    tool_turns = sum(bool(n.observation) for t in trees for n in t.nodes)
+    if continuation == "fork":  # a fork of every prefix saved, one per continuation
+        prefixes = sum(not n.finished for t in trees for n in t.nodes[1:])
+        assert env.counts["started"] == bare and env.counts["forks"] == prefixes + continued
+    else:  # a fresh state per continuation, the prefix's searches run again on it
+        replayed = sum(2 * k for k in searches_before.values())
+        assert env.counts["started"] == bare + continued and env.counts["forks"] == 0
+        assert env.counts["executed"] == tool_turns + replayed
+    assert env.counts["closed"] == env.counts["started"] + env.counts["forks"]
+
+
+def test_fork_and_replay_grow_the_same_trees(vllm_scripted, retriever, tokenizer, examples):
+    tagged = [replace(e, extras={"tag": e.id}) for e in examples[:4]]
+    grown = {}
+    for continuation in ("fork", "replay"):
+        trees, _ = grow_with_continuations(
+            vllm_scripted, NumberedSearch(tokenizer, retriever, continuation), tagged)
+        grown[continuation] = [[(n.parent, n.token_ids, n.observation, n.reward)
+                                for n in t.nodes] for t in trees]
+    assert grown["fork"] == grown["replay"]
+
+
+def test_replaying_a_tool_that_is_not_deterministic_is_refused(vllm_scripted, retriever,
+                                                                tokenizer, examples):
+    env = NumberedSearch(tokenizer, retriever, "replay", drift=True)
+    loop, trees, _ = grow(vllm_scripted, env, [replace(e, extras={"tag": e.id})
+                                               for e in examples], 3, seed=1)
+    tree = next(t for t in trees if t.prefixes())
+    with pytest.raises(RuntimeError, match=r"gave another observation than the prefix holds .*"
+                                           r"not deterministic, so its continuations must fork"):
+        loop.expand([Start(tree, tree.prefixes()[0].id, 1)], seed=2)
 
 
 def test_continuing_a_leaf_is_refused(vllm_random, retriever, tokenizer, examples):
@@ -844,7 +950,7 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
     predict(trees)
     assert [signature(t) for t in trees] == shapes  # probes are separate trees
     assert counted == [] and probing.on_leaves == counted.append
-    assert probing.retrieval_s == 0.0  # the probes' searches are "predict" time
+    assert probing.tool_s == 0.0  # the probes' searches are "predict" time
     by_depth: dict[int, list[float]] = {}
     for t in trees[:len(yes_no)]:
         for n in [t.root, *t.prefixes()]:
@@ -929,7 +1035,7 @@ def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokeni
     assert step.engine_calls == len(vllm_scripted.calls) - calls > 0
     # the searches' time is its own phase, taken out of "rollout" (not counted twice)
     assert (slow.calls > 0) == (max_turns > 1)
-    assert step.seconds["retrieval"] >= 0.05 * slow.calls
+    assert step.seconds["tools"] >= 0.05 * slow.calls
     assert sum(step.seconds.values()) <= wall
     assert step.budget.leaves == 8 == len(step.sequences) and step.stage1 == [2, 2]
     bare = [len(t.bare_rollouts()) for t in step.trees]

@@ -205,7 +205,7 @@ def test_prepare_demo_writes_loadable_files_and_is_idempotent(tmp_path):
     train, held_out = load_qa(paths.train_qa), load_qa(paths.eval_qa)
     assert len(train) == 20 and len(held_out) == 10
     corpus = {p.title for p in load_corpus(paths.train_corpus)}
-    assert all(set(q.supporting_titles) <= corpus for q in train)
+    assert all(set(q.extras["supporting_titles"]) <= corpus for q in train)
     assert {p.title for p in load_corpus(paths.eval_corpus)} != corpus
     AutoModelForCausalLM.from_pretrained(paths.model)
     # Same settings: nothing is redone.

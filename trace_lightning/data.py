@@ -39,7 +39,7 @@ from trace_lightning.hub import local_model_dir
 from trace_lightning.learner import learner_of
 from trace_lightning.training.packing import equalise_over_ranks, leaf_minibatches
 from trace_lightning.rollout.agent import AgentLoop, sample_trees
-from trace_lightning.tasks.base import Example, TaskData
+from trace_lightning.tasks.base import Example, Task, TaskData
 from trace_lightning.tasks.search_qa.data import SearchQAData
 from trace_lightning.tree import RolloutTree, write_jsonl
 from trace_lightning.training.tree_packing import tree_minibatches, update_units
@@ -47,6 +47,16 @@ from trace_lightning.rollout.validation import resampled_loader, val_row
 
 # the search-QA task's own flags (TraceDataModule's arguments for it)
 SEARCH_QA_FLAGS = ("train", "corpus", "retriever_url", "val", "env", "demo")
+
+def headline_first(env: Task, task: TaskData) -> tuple[str, ...]:
+    """``env``'s declared metrics with ``task.metric`` (what summaries and the progress bar
+    show) first; a ValueError when the task's headline is not one of them."""
+    if task.metric not in env.metrics:
+        raise ValueError(f"{type(task).__name__}.metric is {task.metric!r}, which its task "
+                         f"{type(env).__name__} does not score (its metrics: "
+                         f"{', '.join(env.metrics)}); name one of them")
+    return (task.metric, *[m for m in env.metrics if m != task.metric])
+
 
 # --ckpt_path values Lightning resolves itself (not files)
 LIGHTNING_CKPT_KEYS = ("best", "last", "hpc", "registry")
@@ -159,6 +169,8 @@ class TraceDataModule(L.LightningDataModule):
         self._rng = np.random.default_rng(seed)
         self.last_step: RolloutStep | None = None  # read by the monitoring callbacks
         self.last_val_trees: dict[str, list[RolloutTree]] = {}
+        # the task's validation metrics, its headline first (callbacks.QAAccuracy's default)
+        self.task_metrics: tuple[str, ...] = ()
         self.sync_diff: float | None = None
         self._synced_step: int | None = None  # trainer.global_step of the last weight sync
         self.last_val_step: int | None = None  # trainer.global_step the last validation scored
@@ -521,6 +533,7 @@ class TraceDataModule(L.LightningDataModule):
                                       max_tokens=self.sampling.max_tokens, seed=self.seed)
             trees = sample_trees(self.engine, env, mine, n=self.val_samples,
                                  sampling=sampling, seed=self.seed, any_rank=self._any_rank)
+        self.task_metrics = headline_first(env, self.task)
         self.last_val_trees[name] = trees
         self.last_val_step = self.trainer.global_step
         self.timings["validation_rollout"] = time.perf_counter() - tic

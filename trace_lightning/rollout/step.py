@@ -41,7 +41,7 @@ class RolloutStep:
     budget: Budget
     pool_returned: int = 0  # continuations a prompt could not use, spent elsewhere
     unspent: int = 0  # continuations no prefix could take, spent as extra bare rollouts
-    # wall seconds of rollout, retrieval and predict
+    # wall seconds of rollout, tools and predict
     seconds: dict[str, float] = field(default_factory=dict)
     cold_start: bool = False
     # per tree of ``trees``, its stage-1 (planned) bare rollouts: indices 0..m-1; budget no
@@ -125,20 +125,24 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
             starts += [Start(t, 0, k) for t, k in zip(chosen, extra) if k]
         return starts
 
-    tic, predicted, searched = time.perf_counter(), seconds["predict"], loop.retrieval_s
+    tic, predicted, tooled = time.perf_counter(), seconds["predict"], loop.tool_s
     first = [Start(t, 0, m) for t, m in opened]
-    if planner is None:
-        budget = loop.expand(first, seed=seed, any_rank=any_rank)
-    elif overlap:
-        budget = loop.expand(first, seed=seed, then=branch, any_rank=any_rank)
-    else:
-        budget = loop.expand(first, seed=seed, any_rank=any_rank)
-        budget.add(loop.expand(branch(chosen), seed=seed + 1, any_rank=any_rank))
-    # the predictions made between turns are counted as "predict", and the searches as
-    # "retrieval": "rollout" is the rest (the engine's sampling, parsing, bookkeeping)
-    seconds["retrieval"] = loop.retrieval_s - searched
+    try:
+        if planner is None:
+            budget = loop.expand(first, seed=seed, any_rank=any_rank)
+        elif overlap:
+            budget = loop.expand(first, seed=seed, then=branch, any_rank=any_rank)
+        else:
+            budget = loop.expand(first, seed=seed, any_rank=any_rank)
+            budget.add(loop.expand(branch(chosen), seed=seed + 1, any_rank=any_rank))
+    finally:
+        loop.release()  # the prefixes' saved tool states: no continuation starts after this
+    # the predictions made between turns are counted as "predict", and the task's tool calls
+    # (searches, queries) as "tools": "rollout" is the rest (the engine's sampling, parsing,
+    # bookkeeping)
+    seconds["tools"] = loop.tool_s - tooled
     seconds["rollout"] = (time.perf_counter() - tic - (seconds["predict"] - predicted)
-                          - seconds["retrieval"])
+                          - seconds["tools"])
 
     for t in chosen:
         t.compute_values()
@@ -172,6 +176,11 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int, nodes: OracleNodes 
     if (nodes == "all") != (learned is None):
         raise ValueError(f"oracle nodes {nodes!r}: the nodes the probes leave out need the "
                          f"learned predictions, and 'all' leaves none out")
+    if loop.env.continuation != "none":
+        raise ValueError(f"the oracle's probes roll out from a prefix's tokens alone, without "
+                         f"the tool state it left, and {type(loop.env).__name__}'s tools keep "
+                         f"state (continuation {loop.env.continuation!r}): use another "
+                         f"--data.allocator.kind for this task")
     calls = itertools.count()
     estimates: dict[tuple[int, int], float] = {}  # by (id(tree), node id): each probed once
 
@@ -193,13 +202,13 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int, nodes: OracleNodes 
         # a seed per call: stage 2 calls once per turn, and probe i of two calls must not
         # draw the same samples
         call_seed = int(np.random.SeedSequence([seed, next(calls)]).generate_state(1)[0])
-        # probes are no leaves of the step, and their searches count as "predict" time
+        # probes are no leaves of the step, and their tool calls count as "predict" time
         on_leaves, loop.on_leaves = loop.on_leaves, None
-        searched = loop.retrieval_s
+        tooled = loop.tool_s
         try:
             loop.expand([Start(p, 0, samples) for p in probes], seed=call_seed)
         finally:
-            loop.on_leaves, loop.retrieval_s = on_leaves, searched
+            loop.on_leaves, loop.tool_s = on_leaves, tooled
         for p, (t, n) in zip(probes, targets):
             rewards = [leaf.reward for leaf in p.leaves()]
             n.prediction = estimates[(id(t), n.id)] = sum(rewards) / len(rewards)

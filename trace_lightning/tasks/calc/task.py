@@ -26,6 +26,7 @@ from trace_lightning.tasks.base import (
     ANSWER,
     INVALID,
     Example,
+    StatelessTools,
     Turn,
     check_stop_strings,
     render_prompt,
@@ -102,7 +103,7 @@ def check_settings(max_turns: int, max_seq_tokens: int, instruction: str) -> Non
             raise ValueError(f"--data.task.init_args.{flag} ({value}) must be >= 1")
 
 
-class CalcTask:
+class CalcTask(StatelessTools):
     """Prompt, turn parsing, calculator calls and reward of the arithmetic agent: a ``Task``
     whose tool is ``calc`` and whose metric is ``correct``.
 
@@ -116,6 +117,7 @@ class CalcTask:
 
     stop = STOP_STRINGS
     calls_metric = "calcs"  # validation's count of the calculator calls a trajectory made
+    metrics = ("correct",)
 
     def __init__(self, tokenizer, max_turns: int = 6, max_seq_tokens: int = 512,
                  instruction: str = CALC_INSTRUCTION, use_chat_template: bool = False):
@@ -137,9 +139,10 @@ class CalcTask:
         """One generated turn, cut at its first stop string, parsed (``parse_turn``)."""
         return parse_turn(through_first_stop(text, self.stop))
 
-    def execute(self, calls: Sequence[Turn]) -> list[tuple[list[int], str]]:
+    def execute(self, calls: Sequence[Turn], states: Sequence[None] = ()
+                ) -> list[tuple[list[int], str]]:
         """The calculator's observation of each call: its result, or the reason it refused
-        the expression."""
+        the expression (the calculator keeps no state: ``states`` is unused)."""
         out = []
         for call in calls:
             assert call.kind == CALC, f"CalcTask.execute got a {call.kind!r} turn"
@@ -151,10 +154,10 @@ class CalcTask:
             out.append((self._encode(text), text))
         return out
 
-    def score(self, final: Turn, answers: Sequence[str]) -> tuple[float, dict[str, float]]:
-        """(reward, {"correct"}) of a trajectory that ended on ``final``: 1 when it answered
-        a number equal to a gold answer, else 0."""
+    def score(self, final: Turn, example: Example) -> tuple[float, dict[str, float]]:
+        """(reward, {"correct"}) of a trajectory of ``example`` that ended on ``final``: 1 when
+        it answered a number equal to a gold answer, else 0."""
         value = answer_value(final.argument) if final.kind == ANSWER else None
-        golds = [g for g in (answer_value(a) for a in answers) if g is not None]
+        golds = [g for g in (answer_value(a) for a in example.answers) if g is not None]
         correct = float(value is not None and value in golds)
         return correct, {"correct": correct}

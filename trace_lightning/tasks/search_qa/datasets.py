@@ -79,7 +79,7 @@ def _parse(record: object, where: str, dataset: str) -> Example:
     name = record.get("dataset")
     return Example(id=qid, question=question, answers=answers,
                      dataset=name if isinstance(name, str) and name else dataset,
-                     supporting_titles=_supporting_titles(record))
+                     extras={"supporting_titles": _supporting_titles(record)})
 
 
 def _json_array_message(path: Path, line_no: int) -> str:

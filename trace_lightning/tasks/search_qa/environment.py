@@ -20,8 +20,8 @@ from typing import Literal
 
 from trace_lightning.tasks.search_qa.reward import reward_from_scores, score_answer
 from trace_lightning.tasks.search_qa.retrieval import Passage, Retriever
-from trace_lightning.tasks.base import (Example, Turn, check_stop_strings, render_prompt,
-                                        through_first_stop)
+from trace_lightning.tasks.base import (Example, StatelessTools, Turn, check_stop_strings,
+                                        render_prompt, through_first_stop)
 
 SEARCH_R1_INSTRUCTION = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first "
@@ -114,7 +114,7 @@ def check_settings(topk: int, max_turns: int, max_obs_tokens: int, max_seq_token
                          f"0 every answer, even a missing one (F1 0), would earn reward 1")
 
 
-class SearchEnvironment:
+class SearchEnvironment(StatelessTools):
     """Prompt, turn parsing, observations and reward of the multi-hop QA search agent: the
     search-QA ``Task`` (its tool is ``search``; metrics ``em`` and ``f1``).
 
@@ -136,6 +136,7 @@ class SearchEnvironment:
 
     stop = STOP_STRINGS
     calls_metric = "searches"  # validation's count of the searches a trajectory ran
+    metrics = ("em", "f1")
 
     def __init__(self, tokenizer, retriever: Retriever | None, topk: int = 3, max_turns: int = 4,
                  max_obs_tokens: int = 256, max_seq_tokens: int = 2048,
@@ -169,8 +170,10 @@ class SearchEnvironment:
         """One generated turn, cut at its first stop string, parsed (``parse_turn``)."""
         return parse_turn(through_first_stop(text, self.stop))
 
-    def execute(self, calls: Sequence[Turn]) -> list[tuple[list[int], str]]:
-        """The observation of each search, in one retriever call (``observe``)."""
+    def execute(self, calls: Sequence[Turn], states: Sequence[None] = ()
+                ) -> list[tuple[list[int], str]]:
+        """The observation of each search, in one retriever call (``observe``; the retriever
+        keeps no state per trajectory: ``states`` is unused)."""
         return self.observe([c.argument for c in calls])
 
     def observe(self, queries: list[str]) -> list[tuple[list[int], str]]:
@@ -193,7 +196,7 @@ class SearchEnvironment:
 
     def prompt_features(self, example: Example) -> list[float]:
         """How findable the documents ``example``'s answer passes through
-        (``supporting_titles``) are with the retriever the agent searches, before any rollout:
+        (``extras["supporting_titles"]``) are with the retriever the agent searches, before any rollout:
         ``PROMPT_FEATURES``, each the share of those documents that
 
             [a search for the document's own title shows among its ``topk`` passages,
@@ -208,7 +211,7 @@ class SearchEnvironment:
         key = (example.dataset, example.id)
         if key in self._described:
             return self._described[key]
-        titles = list(example.supporting_titles)
+        titles = list(example.extras.get("supporting_titles", []))
         out = [0.0] * len(PROMPT_FEATURES)
         if titles:
             if self.retriever is None:
@@ -224,10 +227,10 @@ class SearchEnvironment:
         self._described[key] = out
         return out
 
-    def score(self, final: Turn, answers: Sequence[str]) -> tuple[float, dict[str, float]]:
-        """The reward of a trajectory that ended on ``final`` and its ``em`` and ``f1``; 0
-        unless it answered."""
+    def score(self, final: Turn, example: Example) -> tuple[float, dict[str, float]]:
+        """The reward of a trajectory of ``example`` that ended on ``final`` and its ``em``
+        and ``f1``; 0 unless it answered."""
         answer = final.argument if final.kind == "answer" else None
-        em, f1 = score_answer(answer, answers)
+        em, f1 = score_answer(answer, example.answers)
         reward = reward_from_scores(em, f1, self.reward_kind, self.f1_threshold)
         return reward, {"em": em, "f1": f1}

@@ -34,6 +34,7 @@ import torch
 from trace_lightning.tasks.search_qa.demo.world import World, fact_phrase, gold_turns, relation
 from trace_lightning.tasks.search_qa.environment import SearchEnvironment, parse_turn
 from trace_lightning.tasks.search_qa.retrieval import BM25Retriever
+from trace_lightning.tasks.base import Example
 from trace_lightning.tasks.sft import fit_demonstrations
 from trace_lightning.tree import RolloutTree
 
@@ -129,7 +130,9 @@ def gold_trees(env: SearchEnvironment, world: World, questions: Sequence[dict] |
                 finished=finished, finish_reason="answer" if finished else "")
             nodes[i] = node.id
             if finished:
-                node.reward, node.metrics = env.score(actions[i], trees[i].answers)
+                q = questions[i]
+                node.reward, node.metrics = env.score(
+                    actions[i], Example(q["id"], q["question"], q["answers"]))
                 trees[i].compute_values()
                 continue
             # The next turn's thought copies a fact about this search's entity: its document
