@@ -108,16 +108,40 @@ def test_readme_is_a_front_door():
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail to docs/"
 
 
+def test_readme_names_no_commits_dates_or_cpu_models():
+    """Instructions, not lab notes: the README's prose names no commit, date or CPU model;
+    those stay in the JSON lines it links to (their provenance)."""
+    text = re.sub(r"\]\([^)]*\)", "]", (REPO / "README.md").read_text())  # link targets
+    assert not re.findall(r"`[0-9a-f]{7,12}(?:-dirty)?`", text), "a commit hash in README.md"
+    assert not re.findall(r"\b20\d\d-\d\d-\d\d\b", text), "a date in README.md"
+    assert not re.findall(r"EPYC|Xeon|Ryzen|Core i[3579]", text), "a CPU model in README.md"
+
+
+def test_results_are_the_current_evidence():
+    """docs/results/ holds the JSON of the claims the docs make now, at most 15 files, each
+    linked from the README or a page of docs/; results.md stays a summary of them."""
+    files = sorted(p.name for p in (REPO / "docs" / "results").iterdir())
+    assert len(files) <= 15, f"{len(files)} files in docs/results/; move superseded ones to " \
+        "docs/results_log.md (one line each) and git rm them"
+    docs = "\n".join(d.read_text() for d in DOCS)
+    unlinked = [f for f in files if f"results/{f})" not in docs]
+    assert not unlinked, f"in docs/results/ but backing no claim in the docs: {unlinked}"
+    lines = (REPO / "docs" / "results.md").read_text().splitlines()
+    assert len(lines) <= 400, f"docs/results.md has {len(lines)} lines; history goes to the log"
+
+
 def test_results_table_is_what_the_json_files_say(capsys):
     assert results_table.main(["--check"]) == 0, capsys.readouterr().err
-    # and every benchmark's JSON is in it
-    table = (REPO / "README.md").read_text()
-    for name in ("learning.json", "learning_world2.json", "learning_world2_belief.json",
-                 "learning_64.json", "regime.json", "regime_world2.json",
-                 "regime_choices.json", "regime_tree.json", "regime_candidates.json",
-                 "regime_candidates_belief.json", "allocation.json",
-                 "allocation_new_prompts.json", "update.json", "retrieval.json"):
+    # every claim's row is there, with its JSON, and the table stays a summary
+    table = (REPO / "README.md").read_text().split(results_table.BEGIN)[1]
+    table = table.split(results_table.END)[0]
+    for name in ("allocation.json", "allocation_seed1.json", "allocation_new_prompts.json",
+                 "allocation_new_prompts_seed1.json", "predictability.json", "learning.json",
+                 "learning_world3_update_features_15.json", "learning_e16_oracle.json",
+                 "update.json", "engines.json", "retrieval.json"):
         assert f"docs/results/{name}" in table
+    rows = [line for line in table.splitlines() if line.startswith("| ")][2:]  # less the head
+    assert len(rows) <= results_table.MAX_ROWS == 8
 
 
 def test_results_table_quotes_the_json(tmp_path, monkeypatch):
@@ -128,7 +152,7 @@ def test_results_table_quotes_the_json(tmp_path, monkeypatch):
     r["allocators"]["trace"]["effective_ratio"] = 0.987654
     (results / "allocation.json").write_text(json.dumps(r))
     monkeypatch.setattr(results_table, "RESULTS", results)
-    assert "trace 0.988" in results_table.table()
+    assert "trace's effective ratio is 0.988 and 0.600" in results_table.table()
 
 
 def test_dashboard_picture_is_of_what_the_callbacks_draw():
