@@ -24,8 +24,8 @@
 #       trace-lightning --logdir runs/hotpotqa_qwen3 --bind_all --port 6006
 #   (without host networking: both on a network of your own, `docker network create tl`
 #    and --network tl, the retriever with --name retriever and --host 0.0.0.0 (it binds
-#    127.0.0.1 by default), the trainer with --data.retriever_url http://retriever:8000,
-#    TensorBoard with -p 6006:6006.
+#    127.0.0.1 by default), the trainer with
+#    --data.task.init_args.retriever_url http://retriever:8000, TensorBoard with -p 6006:6006.
 #    An export of a checkpoint: --entrypoint trace-lightning-export)
 FROM nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04
 

@@ -34,7 +34,8 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trace_lightning.rollout.engines import HFEngine, SamplingConfig  # noqa: E402
-from trace_lightning.models import build_tiny_from_corpus, read_corpus_texts  # noqa: E402
+from trace_lightning.tasks.search_qa.tiny_policy import (  # noqa: E402
+    build_tiny_from_corpus, read_corpus_texts)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402

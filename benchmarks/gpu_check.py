@@ -166,9 +166,11 @@ def section_fit(args, tmp: Path) -> dict:
     cmd = [sys.executable, "-m", "trace_lightning.cli", "fit",
            "--config", str(REPO / "configs" / "demo.yaml"),
            "--config", str(REPO / "configs" / "demo_gpu.yaml"),
-           "--data.engine.kind=hf", "--data.demo=null", f"--model.policy_path={paths.model}",
-           f"--data.train={paths.train_qa}", f"--data.corpus={paths.train_corpus}",
-           f"--data.val={json.dumps(val)}", f"--trainer.default_root_dir={root}",
+           "--data.engine.kind=hf", "--data.task.init_args.demo=null",
+           f"--model.policy_path={paths.model}",
+           f"--data.task.init_args.train={paths.train_qa}",
+           f"--data.task.init_args.corpus={paths.train_corpus}",
+           f"--data.task.init_args.val={json.dumps(val)}", f"--trainer.default_root_dir={root}",
            f"--trainer.logger.init_args.save_dir={root}", f"--data.trees_dir={root / 'trees'}",
            *FIT_BUDGET]
     if args.tiny:  # FSDP1 on CPU over gloo (Lightning's FSDP refuses a CPU accelerator)

@@ -50,7 +50,8 @@ Writes a plot of accuracy against sampling budget per method (the mean over seed
                                                     # questions (what RL trains on)
     python benchmarks/learning.py --val-every 8 --no-before  # one evaluation, after the fit
     python benchmarks/learning.py --world my_world.yaml  # on another demo world: a config
-                                       # setting data.demo (out_dir, build) and policy_path
+                                       # setting data.task.init_args.demo (out_dir, build)
+                                       # and policy_path
 
 ``--held-in N`` adds a second evaluation, on the first N questions of the training world
 (``val/demo_heldin/em``; candidates are drawn from all its questions, so these are ones
@@ -140,25 +141,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also evaluate on this many training-world questions (0: off)")
     p.add_argument("--world", default=None,
                    help="a config (YAML) of another demo world, added after configs/demo.yaml "
-                        "to every run: it sets data.demo (where the world is built and how) "
-                        "and model.policy_path (default: the demo's own world, runs/demo/world)")
+                        "to every run: it sets data.task.init_args.demo (where the world is built "
+                        "and how) and model.policy_path (default: the demo's own world, "
+                        "runs/demo/world)")
     return p.parse_args(argv)
 
 
 def world_dir(world_config: str | None) -> str:
-    """Where the runs' demo world lives: ``data.demo.out_dir`` of ``world_config`` (the
-    ``--world`` file), else configs/demo.yaml's."""
+    """Where the runs' demo world lives: ``data.task.init_args.demo.out_dir`` of
+    ``world_config`` (the ``--world`` file), else configs/demo.yaml's."""
     import yaml
 
     path = Path(world_config) if world_config else REPO / "configs" / "demo.yaml"
     if not path.is_file():
         raise SystemExit(f"--world {world_config}: no such file; give a YAML config that sets "
-                         f"data.demo (out_dir and how to build the world) and "
+                         f"data.task.init_args.demo (out_dir and how to build the world) and "
                          f"model.policy_path (<out_dir>/model)")
-    out = ((yaml.safe_load(path.read_text()) or {}).get("data") or {}).get("demo", {})
+    data = (yaml.safe_load(path.read_text()) or {}).get("data") or {}
+    out = ((data.get("task") or {}).get("init_args") or {}).get("demo") or {}
     if not isinstance(out, dict) or "out_dir" not in out:
-        raise SystemExit(f"--world {world_config}: it sets no data.demo.out_dir; a world config "
-                         f"names where its world is built (and model.policy_path, its model/)")
+        raise SystemExit(f"--world {world_config}: it sets no data.task.init_args.demo.out_dir; "
+                         f"a world config names where its world is built (and "
+                         f"model.policy_path, its model/)")
     return str(out["out_dir"])
 
 
@@ -244,8 +248,8 @@ def run(method: str, seed: int, args, root: Path) -> dict:
                     "corpus": f"{world}/train_corpus.jsonl", "limit": args.held_in})
     common = [f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
               f"--seed_everything={seed}", f"--data.seed={seed}",
-              f"--data.allocator.seed={seed}", f"--data.val={json.dumps(val)}", *args.extra,
-              *extra_for(args.extra_for).get(method, [])]
+              f"--data.allocator.seed={seed}", f"--data.task.init_args.val={json.dumps(val)}",
+              *args.extra, *extra_for(args.extra_for).get(method, [])]
     if args.fresh or not _finished(out, args.epochs, args.held_in > 0, args.val_every,
                                    args.before):
         if out.exists():

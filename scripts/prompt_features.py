@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
                    help="the demo world the run trained on (train_corpus.jsonl, train_qa.jsonl "
                         "and the tokenizer in model/)")
     p.add_argument("--topk", type=int, default=2, help="passages per search (the run's "
-                                                       "--data.env.topk)")
+                                                       "--data.task.init_args.env.topk)")
     p.add_argument("--out", default=None, help="also write the JSON line here")
     args = p.parse_args(argv)
     stamp = provenance.Stamp()
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     for name in ("train_corpus.jsonl", "train_qa.jsonl", "model"):
         if not (world / name).exists():
             raise SystemExit(f"prompt_features.py: --world {world} has no {name}; give the "
-                             f"folder of a built demo world (data.demo.out_dir)")
+                             f"folder of a built demo world (data.task.init_args.demo.out_dir)")
     from transformers import AutoTokenizer
 
     with open(world / "train_corpus.jsonl") as f:

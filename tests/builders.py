@@ -33,3 +33,28 @@ def load_benchmark(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def search_datamodule(**kwargs):
+    """A ``TraceDataModule`` of the search-QA task: ``SearchQAData``'s arguments (``train``,
+    ``corpus``, ``demo``, ``env``, ...) build the task, the rest go to the datamodule."""
+    import inspect
+
+    from trace_lightning.data import TraceDataModule
+    from trace_lightning.tasks.search_qa.data import SearchQAData
+
+    own = set(inspect.signature(SearchQAData).parameters)
+    task = SearchQAData(**{k: v for k, v in kwargs.items() if k in own})
+    return TraceDataModule(task=task, **{k: v for k, v in kwargs.items() if k not in own})
+
+
+def tiny_policy(out: Path, vocab_size: int = 512, seed: int = 0, **config) -> Path:
+    """A randomly initialised tiny Qwen3 with a tokenizer of its own, for the tests of parts
+    that are about no task in particular (engines, export, the hub): the arithmetic task's
+    tokenizer, trained on 300 of its generated problems, nothing to download or read."""
+    from trace_lightning.models import build_tiny_model
+    from trace_lightning.tasks.calc import CALC_INSTRUCTION, generate_problems
+    from trace_lightning.tasks.calc.warm_start import calc_tokenizer
+
+    tokenizer = calc_tokenizer(generate_problems(seed=7, n=300), vocab_size, CALC_INSTRUCTION)
+    return build_tiny_model(tokenizer, out, seed=seed, **config)

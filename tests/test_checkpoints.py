@@ -27,6 +27,8 @@ from trace_lightning.training.module import TraceModule
 
 TESTS = Path(__file__).resolve().parent
 
+SEARCH_QA = "trace_lightning.tasks.search_qa.SearchQAData"  # --data.task of search QA
+
 # A real fit (2 steps an epoch) killed where a kill is worst: Lightning saved the third
 # epoch's checkpoint and deleted the second's, and has not yet linked last.ckpt to the new
 # one (ModelCheckpoint: _save_topk_checkpoint saves, then removes the previous file;
@@ -36,6 +38,7 @@ import os, sys
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_resume import _fit
 from trace_lightning.training.module import TraceModule
+
 
 class KilledAfterRemoval(ModelCheckpoint):
     def _remove_checkpoint(self, trainer, filepath):
@@ -147,9 +150,11 @@ def test_last_skips_a_file_cut_short_and_stops_when_none_loads(killed_run, polic
             _cut_short(copy)
     train, corpus = _qa_files(tmp_path)
     with pytest.raises(FileNotFoundError) as err:
-        main(["fit", f"--model.policy_path={policy}", f"--data.train={train}",
-              f"--data.corpus={corpus}", "--trainer.accelerator=cpu", "--trainer.logger=false",
-              f"--trainer.default_root_dir={tmp_path / 'killed'}", "--ckpt_path=last"])
+        main(["fit", f"--model.policy_path={policy}", f"--data.task={SEARCH_QA}",
+              f"--data.task.init_args.train={train}",
+              f"--data.task.init_args.corpus={corpus}", "--trainer.accelerator=cpu",
+              "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path / 'killed'}",
+              "--ckpt_path=last"])
     message = str(err.value)
     assert message.startswith(f"--ckpt_path last: no checkpoint in {tmp_path / 'killed'}")
     assert "epoch=2-step=6.ckpt (it does not load: " in message
@@ -201,8 +206,9 @@ def test_a_flipped_optimizer_state_is_named_at_setup_before_the_engine(trained, 
     train, corpus = _qa_files(tmp_path)
     run = tmp_path / "run"
     with pytest.raises(ValueError) as err:
-        main(["fit", f"--model.policy_path={policy}", f"--data.train={train}",
-              f"--data.corpus={corpus}", "--trainer.accelerator=cpu",
+        main(["fit", f"--model.policy_path={policy}", f"--data.task={SEARCH_QA}",
+              f"--data.task.init_args.train={train}",
+              f"--data.task.init_args.corpus={corpus}", "--trainer.accelerator=cpu",
               f"--trainer.default_root_dir={run}", f"--ckpt_path={flipped}"])
     assert str(err.value).startswith(
         f"--ckpt_path: {flipped} is damaged: optimizer_states[0]['state'][0]['exp_avg_sq'] "
@@ -223,9 +229,11 @@ def test_a_file_that_does_not_unpickle_is_one_error_naming_it(trained, policy,
     _cut_short(cut, keep=0.9)
     train, corpus = _qa_files(tmp_path)
     with pytest.raises(ValueError, match=rf"^--ckpt_path: {cut} does not load as a checkpoint"):
-        main(["validate", f"--model.policy_path={policy}", f"--data.train={train}",
-              f"--data.corpus={corpus}", "--trainer.accelerator=cpu", "--trainer.logger=false",
-              f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={cut}"])
+        main(["validate", f"--model.policy_path={policy}", f"--data.task={SEARCH_QA}",
+              f"--data.task.init_args.train={train}",
+              f"--data.task.init_args.corpus={corpus}", "--trainer.accelerator=cpu",
+              "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
+              f"--ckpt_path={cut}"])
 
 
 @pytest.mark.parametrize("where, value, fitting, message", [

@@ -15,6 +15,8 @@ import pytest
 
 from trace_lightning.cli import main, remove_unused_log_dir
 
+SEARCH_QA = "trace_lightning.tasks.search_qa.SearchQAData"  # --data.task of search QA
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")
 
@@ -56,8 +58,9 @@ def _run_args(root: Path) -> list[str]:
     (root / "train.jsonl").write_text(json.dumps({"id": "0", "question": "q", "answers": ["a"]}))
     (root / "corpus.jsonl").write_text(json.dumps({"id": "0", "title": "t", "text": "x y"}))
     (root / "junk.ckpt").write_text("not a checkpoint\n")
-    return [f"--model.policy_path={policy}", f"--data.train={root / 'train.jsonl'}",
-            f"--data.corpus={root / 'corpus.jsonl'}", "--trainer.accelerator=cpu",
+    return [f"--model.policy_path={policy}", f"--data.task={SEARCH_QA}",
+            f"--data.task.init_args.train={root / 'train.jsonl'}",
+            f"--data.task.init_args.corpus={root / 'corpus.jsonl'}", "--trainer.accelerator=cpu",
             f"--trainer.default_root_dir={root / 'run'}", f"--ckpt_path={root / 'junk.ckpt'}"]
 
 

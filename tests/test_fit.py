@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 from trace_lightning.tasks.search_qa.environment import SEARCH_R1_INSTRUCTION as SEARCH_R1  # noqa: E402
 
-from builders import SMALL_DEMO, SMALL_DEMO_WARM_START_STEPS  # noqa: E402
+from builders import SMALL_DEMO, SMALL_DEMO_WARM_START_STEPS, search_datamodule  # noqa: E402
 
 
 def demo_args(demo_dir: Path, root: Path, epochs: int, *extra: str) -> list[str]:
@@ -30,9 +30,9 @@ def demo_args(demo_dir: Path, root: Path, epochs: int, *extra: str) -> list[str]
         f"--trainer.max_epochs={epochs}", f"--trainer.default_root_dir={root}",
         f"--trainer.logger.init_args.save_dir={root}",
         f"--model.policy_path={demo_dir / 'model'}",
-        f"--data.demo.out_dir={demo_dir}",
-        f"--data.demo.warm_start_steps={SMALL_DEMO_WARM_START_STEPS}",
-        f"--data.demo.options={json.dumps(SMALL_DEMO)}",
+        f"--data.task.init_args.demo.out_dir={demo_dir}",
+        f"--data.task.init_args.demo.warm_start_steps={SMALL_DEMO_WARM_START_STEPS}",
+        f"--data.task.init_args.demo.options={json.dumps(SMALL_DEMO)}",
         "--data.allocator.roots=8", "--data.allocator.group_size=4",
         "--data.allocator.cold_start_nodes=0", "--data.allocator.explore_fraction=0.25",
         "--data.candidates_per_step=16", "--data.minibatches_per_step=2",
@@ -275,7 +275,6 @@ def test_a_resumed_epoch_is_rolled_out_again_only_when_it_was_not_finished(demo_
     rollout. Either way the next checkpoint still knows the epoch was rolled out."""
     from types import SimpleNamespace
 
-    from trace_lightning.data import TraceDataModule
 
     class RolledOut(Exception):
         pass
@@ -284,7 +283,7 @@ def test_a_resumed_epoch_is_rolled_out_again_only_when_it_was_not_finished(demo_
         raise RolledOut
 
     for finished in (True, False):
-        dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo_dir)),
+        dm = search_datamodule(demo=DemoConfig(out_dir=str(demo_dir)),
                              policy_path=str(demo_dir / "model"))
         progress = SimpleNamespace(is_last_batch=finished)
         dm.trainer = SimpleNamespace(current_epoch=3, global_rank=0, world_size=1,
@@ -418,8 +417,10 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
      "--data.candidates_per_step (1)"),
     ("--data.ppo_epochs=0", "--data.ppo_epochs (0)"),
     ("--model.lr_warmup_steps=-1", "--model.lr_warmup_steps (-1) must be >= 0"),
-    ("--data.retriever_url=http://127.0.0.1:1 --data.retriever_timeout_s=0",
-     "(--data.retriever_timeout_s) is 0.0; it must be a finite number of seconds > 0"),
+    ("--data.task.init_args.retriever_url=http://127.0.0.1:1 "
+     "--data.task.init_args.retriever_timeout_s=0",
+     "(--data.task.init_args.retriever_timeout_s) is 0.0; it must be a finite number of "
+     "seconds > 0"),
     ("--data.oracle_samples=0", "--data.oracle_samples (0) must be >= 1"),
     ("--data.oracle_nodes=roots", "--data.oracle_nodes ('roots') must be 'all', 'roots' or "
                                   "'prefixes', and is 'all' unless --data.allocator.kind is "
@@ -431,7 +432,7 @@ def test_validate_averages_over_samples_at_temperature(demo_dir, tmp_path):
     ("--model.dtype=bf16", "--model.dtype ('bf16') must be 'float32', 'bfloat16' or"),
     ("--data.sampling.top_p=0.9", "--data.sampling.top_p (0.9) 1.0: the update recomputes"),
     ("--data.sampling.temperature=0", "--data.sampling.temperature (0.0) must be > 0"),
-    ("--data.env.topk=0", "--data.env.topk (0) must be >= 1"),
+    ("--data.task.init_args.env.topk=0", "--data.task.init_args.env.topk (0) must be >= 1"),
 ])
 def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message, capsys):
     with pytest.raises((SystemExit, ValueError)) as err:
@@ -444,7 +445,7 @@ def test_bad_config_fails_before_any_work(demo_dir, tmp_path, override, message,
 @pytest.mark.parametrize("override, message", [
     ("--data.allocator.roots=0",
      "--data.allocator.roots (0) must be >= 2: a prompt needs two rollouts for any contrast"),
-    ("--data.env.topk=0", "--data.env.topk (0) must be >= 1"),
+    ("--data.task.init_args.env.topk=0", "--data.task.init_args.env.topk (0) must be >= 1"),
 ])
 def test_a_bad_value_in_an_optional_section_is_its_own_error(demo_dir, tmp_path, override,
                                                              message):
@@ -476,8 +477,10 @@ def test_union_error_unwraps_only_a_single_real_error():
 @pytest.mark.parametrize("override, message", [
     ("--data.engine.kind=vlm",
      "Parser key \"data.engine.kind\": Expected a typing.Literal['vllm', 'hf']. Got value: vlm"),
-    ("--data.env.topk=abc",
-     "Parser key \"data.env.topk\": Expected a <class 'int'>. Got value: abc"),
+    ("--data.task.init_args.env.topk=abc",  # the task's section: its class, then the key
+     "Parser key \"data.task\":\n  Problem with given class_path "
+     "'trace_lightning.tasks.search_qa.SearchQAData':\n"
+     "    Parser key \"env.topk\": Expected a <class 'int'>. Got value: abc"),
 ])
 def test_a_value_that_does_not_parse_in_an_optional_section_is_its_own_error(override, message,
                                                                              capsys):
@@ -486,7 +489,7 @@ def test_a_value_that_does_not_parse_in_an_optional_section_is_its_own_error(ove
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(REPO / "configs" / "demo.yaml"), override])
     err = capsys.readouterr().err
-    assert err.splitlines()[-1] == f"error: {message}"
+    assert err.rstrip().endswith(f"error: {message}")
     assert "Union subtypes" not in err
 
 
@@ -502,7 +505,7 @@ def test_a_callback_without_its_logger_fails_before_the_demo_is_built(tmp_path, 
     demo = tmp_path / "demo"
     args = ["fit", "--config", str(REPO / "configs" / "demo.yaml"),
             f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger={logger}",
-            f"--data.demo.out_dir={demo}"]
+            f"--data.task.init_args.demo.out_dir={demo}"]
     if logger != "false":
         args.append(f"--trainer.logger.init_args.save_dir={tmp_path}")
     with pytest.raises(ValueError) as err:
@@ -514,8 +517,9 @@ def test_a_callback_without_its_logger_fails_before_the_demo_is_built(tmp_path, 
 def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_data, demo_dir,
                                                                         monkeypatch):
     """Before any engine starts: a training file with fewer questions than a step needs
-    names --data.train (not candidates_per_step, which was not the problem); a validation set
-    with fewer questions than processes (one would skip validation, the others hang) too."""
+    names --data.task.init_args.train (not candidates_per_step, which was not the problem); a
+    validation set with fewer questions than processes (one would skip validation, the others
+    hang) too."""
     from types import SimpleNamespace
 
     from trace_lightning.allocation.allocators import Allocator
@@ -525,14 +529,14 @@ def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_d
     hotpot = shared_data / "hotpotqa"
     uniform = Allocator("uniform", roots=16, continuations=0, max_rollouts_per_prompt=4,
                         group_size=4)  # 4 prompts a step
-    dm = TraceDataModule(train=str(hotpot / "dev_distractor.jsonl"),
+    dm = search_datamodule(train=str(hotpot / "dev_distractor.jsonl"),
                          corpus=str(hotpot / "corpus.jsonl"), policy_path=str(demo_dir / "model"),
                          allocator=uniform, candidates_per_step=8, train_limit=3)
-    with pytest.raises(ValueError, match=r"3 training questions \(--data.train, "
+    with pytest.raises(ValueError, match=r"3 training questions \(--data.task.init_args.train, "
                                          r"--data.train_limit 3\), fewer than the 4 prompts"):
         dm.setup("fit")
     empty = EvalSet("hotpotqa", str(hotpot / "dev_distractor.jsonl"), limit=0)
-    dm = TraceDataModule(train=str(hotpot / "dev_distractor.jsonl"),
+    dm = search_datamodule(train=str(hotpot / "dev_distractor.jsonl"),
                          corpus=str(hotpot / "corpus.jsonl"), policy_path=str(demo_dir / "model"),
                          allocator=uniform, val=[empty])
     with pytest.raises(ValueError, match=r"'hotpotqa' \(.*dev_distractor.jsonl\) holds no "
@@ -541,7 +545,7 @@ def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_d
     # a share of the validation batches: rollouts wasted, and a process with none would stop
     # alone; whole batches (an int) and 1.0 are fine
     for limit, fails in ((0.25, True), (2, False), (1.0, False)):
-        dm = TraceDataModule(train=str(hotpot / "dev_distractor.jsonl"),
+        dm = search_datamodule(train=str(hotpot / "dev_distractor.jsonl"),
                              corpus=str(hotpot / "corpus.jsonl"),
                              policy_path=str(demo_dir / "model"), allocator=uniform,
                              val=[EvalSet("hotpotqa", str(hotpot / "dev_distractor.jsonl"),
@@ -554,7 +558,7 @@ def test_too_few_questions_for_the_ranks_or_the_allocator_fail_at_setup(shared_d
         else:
             dm._setup("validate")
     val = EvalSet("hotpotqa", str(hotpot / "dev_distractor.jsonl"), limit=1)
-    dm = TraceDataModule(train=str(hotpot / "dev_distractor.jsonl"),
+    dm = search_datamodule(train=str(hotpot / "dev_distractor.jsonl"),
                          corpus=str(hotpot / "corpus.jsonl"), policy_path=str(demo_dir / "model"),
                          allocator=uniform, val=[val])
     dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
@@ -573,53 +577,59 @@ def test_same_named_sets_and_missing_corpora_fail_before_any_work(shared_data, d
     """Two validation sets of one name would share one metric key and one set of questions;
     a corpus that does not exist would fail only when first searched (a validation set's:
     after the first epoch trained, before its checkpoint)."""
-    from trace_lightning.data import TraceDataModule
     from trace_lightning.tasks.search_qa.config import EvalSet
 
     hotpot, wiki = shared_data / "hotpotqa", shared_data / "2wikimultihopqa"
     common = dict(train=str(hotpot / "dev_distractor.jsonl"), policy_path=str(demo_dir / "model"))
-    with pytest.raises(ValueError, match=r"--data.val names \['qa'\] more than once"):
-        TraceDataModule(corpus=str(hotpot / "corpus.jsonl"), **common,
+    with pytest.raises(ValueError,
+                       match=r"--data.task.init_args.val names \['qa'\] more than once"):
+        search_datamodule(corpus=str(hotpot / "corpus.jsonl"), **common,
                         val=[EvalSet("qa", str(hotpot / "dev_distractor.jsonl")),
                              EvalSet("qa", str(wiki / "dev.jsonl"), corpus=str(wiki / "corpus.jsonl"))])
     missing = str(tmp_path / "nowhere.jsonl")
-    dm = TraceDataModule(corpus=missing, **common)
-    with pytest.raises(FileNotFoundError, match=r"--data.corpus: corpus '.*nowhere.jsonl' does "
-                                                r"not exist"):
+    dm = search_datamodule(corpus=missing, **common)
+    with pytest.raises(FileNotFoundError, match=r"--data.task.init_args.corpus: corpus "
+                                                r"'.*nowhere.jsonl' does not exist"):
         dm.setup("fit")
-    dm = TraceDataModule(corpus=str(hotpot / "corpus.jsonl"), **common,
+    dm = search_datamodule(corpus=str(hotpot / "corpus.jsonl"), **common,
                          val=[EvalSet("wiki", str(wiki / "dev.jsonl"), corpus=missing)])
-    with pytest.raises(FileNotFoundError, match=r"--data.val\[0\].corpus \(set 'wiki'\)"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"--data.task.init_args.val\[0\].corpus \(set 'wiki'\)"):
         dm.setup("fit")
     assert dm.engine is None and not dm.task.train_examples  # nothing started
     # QA files before prepare_data downloads a policy or builds a demo; limits, and two
     # retrievers at once, at construction
     corpus = dict(corpus=str(hotpot / "corpus.jsonl"))
-    with pytest.raises(FileNotFoundError, match=r"--data.train: QA file '.*nowhere.jsonl' "):
-        TraceDataModule(**{**common, "train": missing}, **corpus).prepare_data()
-    with pytest.raises(FileNotFoundError, match=r"--data.val\[0\] \(set 'wiki'\): QA file"):
-        TraceDataModule(**common, **corpus, val=[EvalSet("wiki", missing)]).prepare_data()
-    # files the demo writes are checked once it has (a learning benchmark's --data.val);
-    # validate needs no training file
+    with pytest.raises(FileNotFoundError,
+                       match=r"--data.task.init_args.train: QA file '.*nowhere.jsonl' "):
+        search_datamodule(**{**common, "train": missing}, **corpus).prepare_data()
+    with pytest.raises(FileNotFoundError,
+                       match=r"--data.task.init_args.val\[0\] \(set 'wiki'\): QA file"):
+        search_datamodule(**common, **corpus, val=[EvalSet("wiki", missing)]).prepare_data()
+    # files the demo writes are checked once it has (a learning benchmark's
+    # --data.task.init_args.val); validate needs no training file
     from types import SimpleNamespace
 
     from trace_lightning.tasks.search_qa.config import DemoConfig
 
     demo = tmp_path / "demo"
-    dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo)), policy_path=str(demo / "model"),
+    dm = search_datamodule(demo=DemoConfig(out_dir=str(demo)), policy_path=str(demo / "model"),
                          val=[EvalSet("held", str(demo / "eval_qa.jsonl"),
                                       corpus=str(demo / "eval_corpus.jsonl"))])
     dm.task._check_files(True, before_demo=True)
-    with pytest.raises(FileNotFoundError, match=r"--data.val\[0\] \(set 'held'\): QA file"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"--data.task.init_args.val\[0\] \(set 'held'\): QA file"):
         dm.task._check_files(True)
-    dm = TraceDataModule(**{**common, "train": missing}, **corpus)
+    dm = search_datamodule(**{**common, "train": missing}, **corpus)
     dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="validate"))
     dm.prepare_data()
     with pytest.raises(ValueError, match=r"--data.train_limit \(-3\) must be >= 0"):
-        TraceDataModule(**common, **corpus, train_limit=-3)
-    with pytest.raises(ValueError, match=r"both --data.corpus \('.*corpus.jsonl'\) and "
-                                         r"--data.retriever_url \('http://127.0.0.1:1'\)"):
-        TraceDataModule(**common, **corpus, retriever_url="http://127.0.0.1:1")
+        search_datamodule(**common, **corpus, train_limit=-3)
+    with pytest.raises(ValueError, match=r"both --data.task.init_args.corpus "
+                                         r"\('.*corpus.jsonl'\) and "
+                                         r"--data.task.init_args.retriever_url "
+                                         r"\('http://127.0.0.1:1'\)"):
+        search_datamodule(**common, **corpus, retriever_url="http://127.0.0.1:1")
 
 
 def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_dir, tmp_path):
@@ -627,8 +637,7 @@ def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_d
     starts (it used to fail at the first validation, epochs into a run, before that epoch's
     checkpoint); so does a corpus passed as a folder. A malformed retriever URL, a timeout
     that is not finite and an unknown demo option fail at construction, naming the flag (the
-    last when the CLI parses --data.demo)."""
-    from trace_lightning.data import TraceDataModule
+    last when the CLI parses --data.task.init_args.demo)."""
     from trace_lightning.tasks.search_qa.config import DemoConfig, EvalSet
 
     hotpot = shared_data / "hotpotqa"
@@ -636,32 +645,34 @@ def test_bad_corpora_and_flags_fail_at_setup_or_construction(shared_data, demo_d
     bad.write_text('{"id": "1", "contents": "A\\nfine passage"}\nnot json\n')
     common = dict(train=str(hotpot / "dev_distractor.jsonl"), policy_path=str(demo_dir / "model"),
                   corpus=str(hotpot / "corpus.jsonl"))
-    dm = TraceDataModule(**common, val=[EvalSet("v", str(hotpot / "dev_distractor.jsonl"),
+    dm = search_datamodule(**common, val=[EvalSet("v", str(hotpot / "dev_distractor.jsonl"),
                                                 corpus=str(bad), limit=4)])
     with pytest.raises(ValueError, match=r"bad_corpus.jsonl.*line 2|bad_corpus.jsonl:2"):
         dm.setup("fit")
     assert dm.engine is None
-    dm = TraceDataModule(**{**common, "corpus": str(hotpot)})
-    with pytest.raises(IsADirectoryError, match=r"--data.corpus: corpus '.*hotpotqa' is a "
-                                                r"directory, not a file"):
+    dm = search_datamodule(**{**common, "corpus": str(hotpot)})
+    with pytest.raises(IsADirectoryError, match=r"--data.task.init_args.corpus: corpus "
+                                                r"'.*hotpotqa' is a directory, not a file"):
         dm.setup("fit")
     no_corpus = {k: v for k, v in common.items() if k != "corpus"}
-    with pytest.raises(ValueError, match=r"\(--data.retriever_url\) '127.0.0.1:8000' is not "
-                                         r"an http\(s\) address"):
-        TraceDataModule(**no_corpus, retriever_url="127.0.0.1:8000")
-    with pytest.raises(ValueError, match=r"\(--data.retriever_timeout_s\) is nan; it must"):
-        TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
+    with pytest.raises(ValueError, match=r"\(--data.task.init_args.retriever_url\) "
+                                         r"'127.0.0.1:8000' is not an http\(s\) address"):
+        search_datamodule(**no_corpus, retriever_url="127.0.0.1:8000")
+    with pytest.raises(ValueError,
+                       match=r"\(--data.task.init_args.retriever_timeout_s\) is nan; it must"):
+        search_datamodule(**no_corpus, retriever_url="http://127.0.0.1:1",
                         retriever_timeout_s=float("nan"))
-    with pytest.raises(ValueError, match=r"\(--data.retriever_reconnect_wait_s\) is inf; it"):
-        TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
+    with pytest.raises(ValueError,
+                       match=r"\(--data.task.init_args.retriever_reconnect_wait_s\) is inf; it"):
+        search_datamodule(**no_corpus, retriever_url="http://127.0.0.1:1",
                         retriever_reconnect_wait_s=float("inf"))
-    dm = TraceDataModule(**no_corpus, retriever_url="http://127.0.0.1:1",
+    dm = search_datamodule(**no_corpus, retriever_url="http://127.0.0.1:1",
                          retriever_reconnect_wait_s=4.5)
     assert dm.task._retriever(None).reconnect_wait_s == 4.5  # the flag reaches the client
-    with pytest.raises(ValueError, match=r"--data.demo.options: 'n_peple' is not an option.*"
-                                         r"n_people"):
+    with pytest.raises(ValueError, match=r"--data.task.init_args.demo.options: 'n_peple' is not "
+                                         r"an option.*n_people"):
         DemoConfig(out_dir=str(tmp_path / "demo"), options={"n_peple": 5})
-    with pytest.raises(ValueError, match=r"sets 'seed', which is --data.demo.seed"):
+    with pytest.raises(ValueError, match=r"sets 'seed', which is --data.task.init_args.demo.seed"):
         DemoConfig(out_dir=str(tmp_path / "demo"), options={"seed": 5})
 
 
@@ -691,8 +702,9 @@ def test_missing_policy_path_is_a_clear_error(tmp_path):
     (tmp_path / "c.jsonl").write_text("")
     with pytest.raises(FileNotFoundError, match="--model.policy_path"):
         main(["fit", "--config", str(REPO / "configs" / "demo.yaml"),
-              f"--model.policy_path={tmp_path / 'nope'}", "--data.demo=null",
-              f"--data.train={tmp_path / 'q.jsonl'}", f"--data.corpus={tmp_path / 'c.jsonl'}",
+              f"--model.policy_path={tmp_path / 'nope'}", "--data.task.init_args.demo=null",
+              f"--data.task.init_args.train={tmp_path / 'q.jsonl'}",
+              f"--data.task.init_args.corpus={tmp_path / 'c.jsonl'}",
               f"--trainer.default_root_dir={tmp_path}"])
 
 
@@ -711,9 +723,9 @@ def test_retriever_that_does_not_answer_fails_before_work(demo_dir, tmp_path, mo
     from trace_lightning.tasks.search_qa.retrieval import RetrieverError
 
     with pytest.raises(RetrieverError, match=f"127.0.0.1:{port}"):
-        main(["fit", *demo_args(demo_dir, tmp_path, 1), "--data.demo=null",
-              f"--data.train={demo_dir / 'train_qa.jsonl'}",
-              f"--data.retriever_url=http://127.0.0.1:{port}"])
+        main(["fit", *demo_args(demo_dir, tmp_path, 1), "--data.task.init_args.demo=null",
+              f"--data.task.init_args.train={demo_dir / 'train_qa.jsonl'}",
+              f"--data.task.init_args.retriever_url=http://127.0.0.1:{port}"])
     assert not (tmp_path / "trees").exists()  # no rollout ran
 
 
@@ -736,7 +748,8 @@ def test_nan_reward_stops_the_step_without_a_checkpoint(demo_dir, tmp_path, monk
 def hotpot_policy(tmp_path_factory, shared_data) -> Path:
     """A tiny random Qwen3 with a tokenizer trained on real HotpotQA passages."""
     from trace_lightning.tasks.search_qa.environment import SEARCH_R1_INSTRUCTION
-    from trace_lightning.models import AGENT_TAGS, build_tiny_model, train_tokenizer
+    from trace_lightning.models import build_tiny_model, train_tokenizer
+    from trace_lightning.tasks.search_qa.tiny_policy import AGENT_TAGS
     from trace_lightning.tasks.search_qa.retrieval import load_corpus
 
     passages = load_corpus(shared_data / "hotpotqa" / "corpus.jsonl")[:3000]
@@ -755,11 +768,14 @@ def test_validate_on_real_hotpotqa_dev(hotpot_policy, shared_data, tmp_path):
     out = cli(["validate", "--config", str(REPO / "configs" / "demo.yaml"),
                 f"--trainer.default_root_dir={tmp_path}",
                 f"--trainer.logger.init_args.save_dir={tmp_path}",
-                f"--model.policy_path={hotpot_policy}", "--data.demo=null",
-                f"--data.train={hp / 'dev_distractor.jsonl'}", f"--data.corpus={hp / 'corpus.jsonl'}",
-                f"--data.val={json.dumps(val)}", "--data.engine.max_model_len=2048",
-                "--data.env.max_seq_tokens=1536", "--data.env.use_chat_template=true",
-                f"--data.env.instruction={json.dumps(SEARCH_R1)}", "--data.env.max_turns=2",
+                f"--model.policy_path={hotpot_policy}", "--data.task.init_args.demo=null",
+                f"--data.task.init_args.train={hp / 'dev_distractor.jsonl'}",
+                f"--data.task.init_args.corpus={hp / 'corpus.jsonl'}",
+                f"--data.task.init_args.val={json.dumps(val)}", "--data.engine.max_model_len=2048",
+                "--data.task.init_args.env.max_seq_tokens=1536",
+                "--data.task.init_args.env.use_chat_template=true",
+                f"--data.task.init_args.env.instruction={json.dumps(SEARCH_R1)}",
+                "--data.task.init_args.env.max_turns=2",
                 "--data.sampling.max_tokens=32", "--data.val_temperature=0.0",
                 "--data.val_samples=1"])
     metrics = out.trainer.callback_metrics
@@ -874,6 +890,7 @@ import torch
 
 from trace_lightning.data import TraceDataModule
 from trace_lightning.tasks.search_qa.config import DemoConfig
+from trace_lightning.tasks.search_qa.data import SearchQAData
 
 out = Path(sys.argv[1])
 
@@ -889,7 +906,7 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 # a policy that is not the demo's: prepare_data, on local rank 0 alone, refuses it
-dm = TraceDataModule(demo=DemoConfig(out_dir=str(out / "world")),
+dm = TraceDataModule(task=SearchQAData(demo=DemoConfig(out_dir=str(out / "world"))),
                      policy_path=str(out / "not_the_demo_policy"))
 trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False,
@@ -975,7 +992,7 @@ def test_a_checkpoint_missing_on_one_process_stops_at_setup(demo_dir, tmp_path, 
     from trace_lightning.data import TraceDataModule
 
     def module():
-        dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo_dir)),
+        dm = search_datamodule(demo=DemoConfig(out_dir=str(demo_dir)),
                              policy_path=str(demo_dir / "model"))
         dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
         return dm
@@ -1026,7 +1043,7 @@ def test_an_engine_failing_to_start_on_one_process_stops_every_process(demo_dir,
         monkeypatch.setattr(EngineConfig, "build", build)
         monkeypatch.setattr(EngineConfig, "starts_together", lambda self, d, w: together)
         monkeypatch.setattr(TraceDataModule, "_any_failed", property(lambda self: any_failed))
-        dm = TraceDataModule(demo=DemoConfig(out_dir=str(demo_dir)),
+        dm = search_datamodule(demo=DemoConfig(out_dir=str(demo_dir)),
                              policy_path=str(demo_dir / "model"))
         dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
         dm.setup("fit")

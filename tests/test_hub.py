@@ -15,15 +15,14 @@ from transformers import AutoModelForCausalLM
 
 from trace_lightning.rollout.engines import build_engine, policy_logprobs
 from trace_lightning.hub import local_model_dir
-from trace_lightning.models import build_tiny_from_corpus
+from builders import tiny_policy
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture
-def model_dir(tmp_path, shared_data):
-    return build_tiny_from_corpus(shared_data / "hotpotqa" / "corpus.jsonl", tmp_path / "m",
-                                  vocab_size=512, seed=3)
+def model_dir(tmp_path):
+    return tiny_policy(tmp_path / "m", vocab_size=512, seed=3)
 
 
 @pytest.fixture

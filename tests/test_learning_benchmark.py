@@ -366,7 +366,8 @@ def test_another_world_is_a_config_every_run_gets(bench, tmp_path, monkeypatch):
     its world's files; a file that names no world is one clear error before any run."""
     world = tmp_path / "world.yaml"
     world.write_text("model:\n  policy_path: runs/w/model\n"
-                     "data:\n  demo:\n    out_dir: runs/w\n    warm_start_steps: 700\n")
+                     "data:\n  task:\n    init_args:\n      demo:\n        out_dir: runs/w\n"
+                     "        warm_start_steps: 700\n")
     assert bench.world_dir(str(world)) == "runs/w"
     assert bench.world_dir(None) == "runs/demo/world"  # configs/demo.yaml's own
     calls = []
@@ -388,12 +389,14 @@ def test_another_world_is_a_config_every_run_gets(bench, tmp_path, monkeypatch):
         configs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--config"]
         assert configs[0].endswith("configs/demo.yaml") and configs[1] == str(world.resolve())
         assert configs[2].endswith("configs/demo_uniform.yaml")
-        val = json.loads(next(a for a in cmd if a.startswith("--data.val=")).split("=", 1)[1])
+        val = json.loads(next(a for a in cmd
+                              if a.startswith("--data.task.init_args.val=")).split("=", 1)[1])
         assert val[0]["path"] == "runs/w/eval_qa.jsonl"
         assert val[0]["corpus"] == "runs/w/eval_corpus.jsonl"
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  seed: 3\n")
-    with pytest.raises(SystemExit, match=r"--world .*bad\.yaml: it sets no data\.demo\.out_dir"):
+    with pytest.raises(SystemExit, match=r"--world .*bad\.yaml: it sets no "
+                                             r"data\.task\.init_args\.demo\.out_dir"):
         bench.world_dir(str(bad))
     with pytest.raises(SystemExit, match=r"--world .*missing\.yaml: no such file"):
         bench.world_dir(str(tmp_path / "missing.yaml"))

@@ -10,6 +10,7 @@ import torch
 from trace_lightning.training.packing import collate, pack_microbatches, padding_share, split_minibatches
 from trace_lightning.tree import LeafSequence
 from launch import leave_group
+from builders import search_datamodule
 
 
 def seq(n: int, k: int = 0, prompt: int = 2) -> LeafSequence:
@@ -100,7 +101,6 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
     from types import SimpleNamespace
 
     from trace_lightning.rollout.step import RolloutStep
-    from trace_lightning.data import TraceDataModule
     from trace_lightning.tree import Budget
 
     seqs = skewed(n=12)
@@ -108,7 +108,7 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
         s.token_advantages = [(k - 5.5) + 0.01 * t for t in range(len(s.input_ids))]
     step = RolloutStep(epoch=3, trees=[], candidates=12, root_plan=[1] * 12, sequences=seqs,
                        budget=Budget(leaves=12))
-    dm = TraceDataModule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
+    dm = search_datamodule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
                          ppo_epochs=3, tree_packing=False)
     dm.tokenizer = SimpleNamespace(pad_token_id=0)
     batches = dm._batches(step)
@@ -134,7 +134,7 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
     assert sum(b["n_tokens"] for b in batches) == 3 * total
     assert all(b["normalizer"] == b["n_tokens"] for b in batches)  # one process
     with pytest.raises(ValueError, match="ppo_epochs"):
-        TraceDataModule(train="unused.jsonl", corpus="unused.jsonl", ppo_epochs=0)
+        search_datamodule(train="unused.jsonl", corpus="unused.jsonl", ppo_epochs=0)
 
 
 def _equalise_worker(rank: int, world: int, out_dir: str) -> None:

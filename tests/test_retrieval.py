@@ -14,6 +14,7 @@ import pytest
 from trace_lightning.tasks.search_qa.datasets import load_qa
 from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, Passage, load_corpus
 from trace_lightning.tasks.search_qa.retrieval.bm25 import default_cache_dir
+from builders import search_datamodule
 
 
 def recall_at(retriever: BM25Retriever, examples, k: int) -> float:
@@ -209,12 +210,11 @@ def test_importing_bm25_keeps_jax_off_the_gpu():
 def test_a_validation_set_on_the_training_corpus_shares_its_index(shared_data, tmp_path):
     """``EvalSet(corpus=None)`` means the training retriever: one BM25 index in memory, not
     a second copy of the same corpus (wiki-18 is millions of passages)."""
-    from trace_lightning.data import TraceDataModule
 
     corpus = str(shared_data / "2wikimultihopqa" / "corpus.jsonl")
     other = tmp_path / "other.jsonl"
     other.write_text('{"id": "1", "title": "T", "text": "another corpus"}\n')
-    dm = TraceDataModule(train="unused.jsonl", corpus=corpus)
+    dm = search_datamodule(train="unused.jsonl", corpus=corpus)
     training = dm.task._retriever(corpus)
     assert dm.task._retriever(None) is training
     assert dm.task._retriever(str(other)) is not training

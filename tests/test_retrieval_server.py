@@ -20,6 +20,7 @@ from launch import free_port
 from trace_lightning.tasks.search_qa.datasets import load_qa
 from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, HTTPRetriever, Passage, RetrieverError
 from trace_lightning.tasks.search_qa.retrieval.server import Limits, make_server, serve_in_thread
+from builders import search_datamodule
 
 LIMITS = {"max_queries": 8, "max_query_chars": 200, "topk_max": 20}
 
@@ -151,7 +152,8 @@ def test_server_that_is_down_fails_after_retries_in_bounded_time():
     assert elapsed < 3 * 1.0 + 0.15 + 2.0
     message = str(info.value)
     assert url in message and "3 attempt(s)" in message and "cannot connect" in message
-    assert "trace-lightning-retriever --corpus" in message and "--data.retriever_url" in message
+    assert "trace-lightning-retriever --corpus" in message
+    assert "--data.task.init_args.retriever_url" in message
     with pytest.raises(RetrieverError, match="3 attempt"):
         client.check()
 
@@ -187,7 +189,7 @@ def test_slow_server_times_out():
                                                  r"timeout_s=0.3 s") as info:
             client.search(["who"], 3)
         # a server that answers too slowly is up: the fix is more time, not starting one
-        assert "--data.retriever_timeout_s" in str(info.value)
+        assert "--data.task.init_args.retriever_timeout_s" in str(info.value)
         assert "Is the server running" not in str(info.value)
         assert time.monotonic() - start < 2 * 0.3 + 0.05 + 1.0
     finally:
@@ -248,7 +250,8 @@ def test_console_entry_serves_a_corpus(shared_data, tmp_path):
             client.search(["Silas Hardy"], 8)
         # the run's topk is checked before any work: the flag to change is named
         client.check(topk=7)
-        with pytest.raises(RetrieverError, match=r"\[1, 7\].*topk 8 \(--data.env.topk\)"):
+        with pytest.raises(RetrieverError,
+                           match=r"\[1, 7\].*topk 8 \(--data.task.init_args.env.topk\)"):
             client.check(topk=8)
     finally:
         process.terminate()
@@ -257,7 +260,8 @@ def test_console_entry_serves_a_corpus(shared_data, tmp_path):
 
 def test_environment_cuts_queries_to_what_the_server_takes(server_url):
     from trace_lightning.tasks.search_qa.environment import SearchEnvironment
-    from trace_lightning.models import AGENT_TAGS, train_tokenizer
+    from trace_lightning.models import train_tokenizer
+    from trace_lightning.tasks.search_qa.tiny_policy import AGENT_TAGS
 
     tokenizer = train_tokenizer(["who directed the film", " ".join(AGENT_TAGS)], 300,
                                 AGENT_TAGS)
@@ -272,9 +276,8 @@ def test_environment_cuts_queries_to_what_the_server_takes(server_url):
 
 
 def test_datamodule_gives_the_client_its_timeout_and_retries(server_url):
-    from trace_lightning.data import TraceDataModule
 
-    dm = TraceDataModule(train="unused.jsonl", retriever_url=server_url,
+    dm = search_datamodule(train="unused.jsonl", retriever_url=server_url,
                          retriever_timeout_s=42.0, retriever_retries=5)
     client = dm.task._retriever(None)
     assert isinstance(client, HTTPRetriever) and (client.timeout_s, client.retries) == (42.0, 5)
@@ -502,17 +505,19 @@ def test_a_5xx_points_at_the_servers_log_not_at_starting_it():
 
 
 def test_a_wrong_path_names_the_url_flag_not_topk(server_url):
-    """A 404 (e.g. a URL with an extra path) is not about topk: it names --data.retriever_url."""
+    """A 404 (e.g. a URL with an extra path) is not about topk: it names
+    --data.task.init_args.retriever_url."""
     client = HTTPRetriever(server_url + "/api")
     with pytest.raises(RetrieverError, match=r"HTTP 404.*Search-R1 retriever.*check "
-                                             r"--data.retriever_url"):
+                                             r"--data.task.init_args.retriever_url"):
         client.search(["who"], 3)
     with pytest.raises(RetrieverError) as info:
         client.check(3)
-    assert "--data.retriever_url" in str(info.value) and "--data.env.topk" not in str(info.value)
+    assert "--data.task.init_args.retriever_url" in str(info.value)
+    assert "--data.task.init_args.env.topk" not in str(info.value)
     server, url = serve_answer(405, {"error": "method not allowed"})
     try:
-        with pytest.raises(RetrieverError, match=r"HTTP 405.*--data.retriever_url"):
+        with pytest.raises(RetrieverError, match=r"HTTP 405.*--data.task.init_args.retriever_url"):
             HTTPRetriever(url).search(["who"], 3)
     finally:
         server.shutdown()
@@ -533,10 +538,12 @@ def test_a_score_that_is_not_a_number_is_named():
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0])
 def test_a_timeout_that_is_not_a_finite_positive_number_names_the_flag(value):
-    with pytest.raises(ValueError, match=rf"timeout_s \(--data.retriever_timeout_s\) is "
-                                         rf"{value}; it must be a finite number"):
+    with pytest.raises(ValueError, match=rf"timeout_s "
+                                         rf"\(--data.task.init_args.retriever_timeout_s\) "
+                                         rf"is {value}; it must be a finite number"):
         HTTPRetriever("http://127.0.0.1:1", timeout_s=value)
-    with pytest.raises(ValueError, match=r"reconnect_wait_s \(--data.retriever_reconnect_wait_s"
+    with pytest.raises(ValueError, match=r"reconnect_wait_s "
+                                         r"\(--data.task.init_args.retriever_reconnect_wait_s"
                                          r"\) is nan"):
         HTTPRetriever("http://127.0.0.1:1", reconnect_wait_s=float("nan"))
 
@@ -625,18 +632,19 @@ def test_check_refuses_a_server_that_takes_shorter_queries_than_the_run(server_u
         client.check(2, max_query_chars=2000)
     message = str(info.value)
     assert "at most 200 characters (its --max-query-chars)" in message
-    assert "up to 2000 (--data.env.max_query_chars)" in message
-    assert ("lower --data.env.max_query_chars to 200, or raise the server's --max-query-chars "
-            "to 2000") in message
+    assert "up to 2000 (--data.task.init_args.env.max_query_chars)" in message
+    assert ("lower --data.task.init_args.env.max_query_chars to 200, or raise the server's "
+            "--max-query-chars to 2000") in message
     client.check(2, max_query_chars=200)  # the server's own limit fits
     client.check(2)  # None: not checked
 
 
 def test_check_says_topk_must_be_at_least_1_not_to_lower_it(server_url):
     client = HTTPRetriever(server_url)
-    with pytest.raises(ValueError, match=r"^--data.env.topk \(0\) must be >= 1$"):
+    with pytest.raises(ValueError, match=r"^--data.task.init_args.env.topk \(0\) must be >= 1$"):
         client.check(0)
-    with pytest.raises(ValueError, match=r"^--data.env.max_query_chars \(0\) must be >= 1$"):
+    with pytest.raises(ValueError,
+                       match=r"^--data.task.init_args.env.max_query_chars \(0\) must be >= 1$"):
         client.check(3, max_query_chars=0)
 
 

@@ -29,7 +29,7 @@ from trace_lightning.tasks.search_qa.datasets import load_qa
 from trace_lightning.tasks.base import Example
 from trace_lightning.rollout.engines import HFEngine, SamplingConfig, build_engine, make_probe, sync_weights
 from trace_lightning.tasks.search_qa.environment import SearchEnvironment, parse_turn
-from trace_lightning.models import build_tiny_from_corpus
+from trace_lightning.tasks.search_qa.tiny_policy import build_tiny_from_corpus
 from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, RetrieverError
 from trace_lightning.rollout.agent import AgentLoop, Start
 from trace_lightning.allocation.allocators import bare_reward
@@ -536,7 +536,7 @@ def test_prompt_without_room_for_a_turn_is_a_clear_error(retriever, tokenizer, e
     AgentLoop(None, make_env(tokenizer, retriever, max_seq_tokens=length + 1),
               SAMPLING).new_tree(examples[0])  # one token of room: fine
     with pytest.raises(ValueError, match=rf"is {length} tokens, at or over "
-                                         rf"--data.env.max_seq_tokens \({length}\)"):
+                                         rf"--data.task.init_args.env.max_seq_tokens \({length}\)"):
         AgentLoop(None, make_env(tokenizer, retriever, max_seq_tokens=length),
                   SAMPLING).new_tree(examples[0])
 

@@ -1,7 +1,8 @@
-"""The task seam: ``--data.task`` beside the search-QA flags, and the module interface."""
+"""The task seam: ``--data.task`` (search QA one task among others), and the module interface."""
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import lightning as L
@@ -14,27 +15,22 @@ from trace_lightning.tasks.base import Task, TaskData, Turn
 from trace_lightning.tasks.search_qa.data import SearchQAData
 
 
-def test_a_task_beside_the_search_qa_flags_is_one_error():
-    task = SearchQAData(demo=DemoConfig(out_dir="runs/demo/world"))
-    with pytest.raises(ValueError, match=r"--data.task \(SearchQAData\) and --data.corpus, "
-                                         r"--data.env are both set: those are the search-QA "
-                                         r"task's settings"):
-        TraceDataModule(task=task, corpus="c.jsonl", env=EnvConfig(),
-                        policy_path="runs/demo/world/model")
-
-
-def test_without_a_task_the_search_qa_flags_build_it():
-    dm = TraceDataModule(demo=DemoConfig(out_dir="w"), env=EnvConfig(max_seq_tokens=512),
-                         policy_path="w/model", max_tokens_per_microbatch=1024)
-    assert isinstance(dm.task, SearchQAData) and isinstance(dm.task, TaskData)
-    assert dm.task.max_seq_tokens == 512 and dm.task.metric == "em"
+def test_the_datamodule_takes_any_task_and_nothing_of_search_qa():
+    task = SearchQAData(demo=DemoConfig(out_dir="w"), env=EnvConfig(max_seq_tokens=512))
+    dm = TraceDataModule(task=task, policy_path="w/model", max_tokens_per_microbatch=1024)
+    assert dm.task is task and dm.task.max_seq_tokens == 512 and dm.task.metric == "em"
+    own = set(inspect.signature(TraceDataModule).parameters)
+    assert not own & set(inspect.signature(SearchQAData).parameters)  # search's are the task's
+    with pytest.raises(TypeError, match=r"--data.task must be a TaskData .* got str"):
+        TraceDataModule(task="search", policy_path="w/model")
 
 
 def test_the_task_s_sequence_limit_bounds_the_micro_batches():
+    task = SearchQAData(demo=DemoConfig(out_dir="w"), env=EnvConfig(max_seq_tokens=512))
     with pytest.raises(ValueError, match=r"--data.max_tokens_per_microbatch \(256\) must be >= "
-                                         r"the task's max_seq_tokens \(512"):
-        TraceDataModule(demo=DemoConfig(out_dir="w"), env=EnvConfig(max_seq_tokens=512),
-                        policy_path="w/model", max_tokens_per_microbatch=256)
+                                         r"the task's max_seq_tokens \(512, a setting of "
+                                         r"--data.task.init_args\)"):
+        TraceDataModule(task=task, policy_path="w/model", max_tokens_per_microbatch=256)
 
 
 def test_search_environment_is_a_task():

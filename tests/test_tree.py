@@ -267,3 +267,11 @@ def test_to_dict_is_plain_json():
     # a tree written before prompts were described reads back with none
     del d["prompt_features"]
     assert RolloutTree.from_dict(d) == tree
+
+
+def test_a_node_field_the_tree_does_not_know_is_one_clear_error():
+    d = json.loads(json.dumps(random_tree(2).to_dict()))
+    d["nodes"][1]["em"] = 1.0  # a field of another version's nodes
+    with pytest.raises(ValueError, match=r"has node fields \['em'\] that RolloutTree's nodes "
+                                         r"do not have: it was written by another version"):
+        RolloutTree.from_dict(d)

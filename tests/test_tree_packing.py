@@ -26,6 +26,7 @@ from trace_lightning.training.module import TraceModule
 from trace_lightning.training.packing import collate, pack_microbatches
 from trace_lightning.tree import RolloutTree
 from trace_lightning.training.tree_attention import TREE_SDPA, node_plan, tree_attention_mask
+from builders import search_datamodule
 from trace_lightning.training.tree_packing import (WEIGHT_KEYS, collate_units, layout, pack_rows,
                                           split_ends, unique_tokens, update_units)
 
@@ -415,7 +416,6 @@ def test_ppo_epochs_pass_over_every_tree_each_time_in_fresh_splits():
     from types import SimpleNamespace
 
     from trace_lightning.rollout.step import RolloutStep
-    from trace_lightning.data import TraceDataModule
     from trace_lightning.tree import Budget
 
     trees = [t for seed in range(4) for t in hand_trees(seed)]
@@ -425,7 +425,7 @@ def test_ppo_epochs_pass_over_every_tree_each_time_in_fresh_splits():
     seqs = sequences(trees, "tree_grpo")
     step = RolloutStep(epoch=3, trees=trees, candidates=12, root_plan=[1] * 12,
                        sequences=seqs, budget=Budget(leaves=len(seqs)))
-    dm = TraceDataModule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
+    dm = search_datamodule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
                          ppo_epochs=3)
     dm.tokenizer = SimpleNamespace(pad_token_id=0)
     batches = dm._batches(step)

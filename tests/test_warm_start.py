@@ -24,7 +24,8 @@ from trace_lightning.tasks.search_qa.demo.warm_start import (
     warm_start,
 )
 from trace_lightning.tasks.search_qa.demo.world import generate_world, gold_turns, vocabulary_text
-from trace_lightning.models import AGENT_TAGS, build_tiny_model, tiny_qwen3_config, train_tokenizer
+from trace_lightning.models import build_tiny_model, tiny_qwen3_config, train_tokenizer
+from trace_lightning.tasks.search_qa.tiny_policy import AGENT_TAGS
 from trace_lightning.tasks.search_qa.retrieval import load_corpus
 
 SIZES = {"n_people": 40, "n_cities": 10, "n_countries": 4, "n_companies": 10}
@@ -271,7 +272,8 @@ def test_prepare_demo_finds_a_built_demo_without_the_lock_and_builds_where_flock
 def test_prepare_demo_rejects_the_training_seed_as_eval_seed(tmp_path):
     # Same seed, same world: the held-out questions would be the first training questions.
     with pytest.raises(ValueError, match=r"eval_seed \(3\) equals seed \(3\) "
-                                         r"\(--data.demo.eval_seed, --data.demo.seed\).*"
+                                         r"\(--data.task.init_args.demo.eval_seed, "
+                                         r"--data.task.init_args.demo.seed\).*"
                                          r"memorisation; set eval_seed to another seed"):
         prepare_demo(tmp_path / "demo", **_demo_kwargs(seed=3, eval_seed=3))
     assert not (tmp_path / "demo").exists()

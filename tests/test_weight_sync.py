@@ -18,14 +18,13 @@ from trace_lightning.rollout.engines import (
     policy_weights,
     sync_weights,
 )
-from trace_lightning.models import build_tiny_from_corpus
+from builders import tiny_policy
 from launch import leave_group
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, shared_data):
-    return build_tiny_from_corpus(shared_data / "hotpotqa" / "corpus.jsonl",
-                                  tmp_path_factory.mktemp("tiny-sync"), vocab_size=1024, seed=1)
+def model_dir(tmp_path_factory):
+    return tiny_policy(tmp_path_factory.mktemp("tiny-sync"), vocab_size=512, seed=4)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def policy(model_dir):
 
 @pytest.fixture(scope="module")
 def probe():
-    return make_probe(vocab_size=1024, length=64, seed=0)
+    return make_probe(vocab_size=512, length=64, seed=0)
 
 
 def perturb_with_noise(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
@@ -183,7 +182,7 @@ def _fsdp2_worker(rank: int, world: int, model_dir: str, out_dir: str) -> None:
         fully_shard(layer)
     fully_shard(model)
     weights = dict(policy_weights(model))
-    logprobs = policy_logprobs(model, make_probe(vocab_size=1024, length=32))
+    logprobs = policy_logprobs(model, make_probe(vocab_size=512, length=32))
     torch.save({"weights": weights, "logprobs": logprobs}, f"{out_dir}/rank{rank}.pt")
     leave_group()
 
@@ -194,7 +193,7 @@ def test_policy_weights_gathered_from_fsdp2_shards(model_dir, policy, tmp_path):
     torch.multiprocessing.spawn(_fsdp2_worker, args=(2, str(model_dir), str(tmp_path)),
                                 nprocs=2)
     want = policy.state_dict()
-    want_lp = policy_logprobs(policy, make_probe(vocab_size=1024, length=32))
+    want_lp = policy_logprobs(policy, make_probe(vocab_size=512, length=32))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert set(got["weights"]) == set(want)
@@ -362,7 +361,7 @@ def _failing_engine_worker(rank: int, world: int, model_dir: str, out_dir: str) 
         engine.load_weights = load_weights
     agree = any_rank
     try:
-        synced = sync_weights(model, engine, make_probe(vocab_size=1024, length=32),
+        synced = sync_weights(model, engine, make_probe(vocab_size=512, length=32),
                               any_failed=lambda failed: agree([failed])[0])
         out = {"diff": synced.diff}
     except Exception as e:  # written, not raised: spawn would kill the other rank

@@ -62,8 +62,9 @@ class TraceCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         """``fit`` and ``validate``: the module has no test or predict step (a test set is a
-        validation set: ``validate --data.val=...``), so Lightning's ``test`` and ``predict``
-        are not offered only to fail after the engine starts."""
+        validation set of the task, e.g. search QA's ``--data.task.init_args.val``), so
+        Lightning's ``test`` and ``predict`` are not offered only to fail after the engine
+        starts."""
         return {k: v for k, v in LightningCLI.subcommands().items() if k in ("fit", "validate")}
 
     def add_arguments_to_parser(self, parser) -> None:

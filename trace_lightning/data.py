@@ -31,7 +31,6 @@ from trace_lightning.allocation.allocators import Allocator
 from trace_lightning.rollout.step import OracleNodes, RolloutStep, collect_step, oracle_predict
 from trace_lightning.collectives import (all_gather_list, any_rank, fail_together, from_rank0,
                                          raise_together)
-from trace_lightning.tasks.search_qa.config import DemoConfig, EnvConfig, EvalSet
 from trace_lightning.rollout.engines.config import EngineConfig
 from trace_lightning.rollout.engines.base import SamplingConfig
 from trace_lightning.training.export import checkpoint_meta
@@ -40,13 +39,9 @@ from trace_lightning.learner import learner_of
 from trace_lightning.training.packing import equalise_over_ranks, leaf_minibatches
 from trace_lightning.rollout.agent import AgentLoop, sample_trees
 from trace_lightning.tasks.base import Example, Task, TaskData
-from trace_lightning.tasks.search_qa.data import SearchQAData
 from trace_lightning.tree import RolloutTree, write_jsonl
 from trace_lightning.training.tree_packing import tree_minibatches, update_units
 from trace_lightning.rollout.validation import resampled_loader, val_row
-
-# the search-QA task's own flags (TraceDataModule's arguments for it)
-SEARCH_QA_FLAGS = ("train", "corpus", "retriever_url", "val", "env", "demo")
 
 def headline_first(env: Task, task: TaskData) -> tuple[str, ...]:
     """``env``'s declared metrics with ``task.metric`` (what summaries and the progress bar
@@ -67,27 +62,16 @@ log = logging.getLogger(__name__)
 class TraceDataModule(L.LightningDataModule):
     """Budgeted tree rollouts from a vLLM (or transformers) engine, each epoch.
 
-    The task (what the agent does, its examples and resources) is ``task``: any
-    ``TaskData`` (``trace_lightning.tasks``), e.g. the arithmetic agent's. Without one the
-    task is search QA, configured by the arguments from ``train`` to ``demo`` (they belong
-    to it and are refused beside ``task``).
+    The task (what the agent does, its examples and resources) is ``task``: any ``TaskData``
+    (``trace_lightning.tasks``): search QA's ``SearchQAData``, the arithmetic agent's
+    ``CalcData``, the SQL agent's ``SqlData``.
 
     Args:
         task: the task's data and environment (``--data.task.class_path`` and its
-            ``init_args``); None: search QA from the arguments below.
-        train: training questions, QA JSONL (ignored when ``demo`` is set).
-        corpus: BM25 corpus JSONL for the training questions (or use ``retriever_url``).
-        retriever_url: a Search-R1 retrieval server (``trace-lightning-retriever``).
-        retriever_timeout_s: seconds one request to the server may take (a large index
-            answering a batch of queries needs more than a small one).
-        retriever_retries: extra attempts after a timeout, a lost connection or a 5xx answer.
-        retriever_reconnect_wait_s: while the server refuses connections (restarting), keep
-            retrying a search this many seconds before the run stops.
-        val: validation sets.
+            ``init_args``, which the task checks).
         policy_path: the policy's directory or hub id (linked from ``model.policy_path``).
         engine: the rollout engine.
-        env: the search environment.
-        sampling: sampling of training rollouts (stop strings come from the environment).
+        sampling: sampling of training rollouts (stop strings come from the task).
         val_temperature: sampling temperature of validation (0 = greedy).
         val_samples: rollouts per validation question; the metrics average over them
             (pass@1 estimated from ``val_samples`` samples; use 1 when greedy).
@@ -106,8 +90,6 @@ class TraceDataModule(L.LightningDataModule):
             RL step, every one clipped against the behaviour log-probs of the rollouts.
         train_limit: use only the first ``train_limit`` training questions.
         trees_dir: write every epoch's trees as JSONL here (None: don't).
-        demo: prepare and use the generated demo world instead of ``train`` (and its
-            held-out world as validation set when ``val`` is empty).
         oracle_samples: extra rollouts per node that estimate true success (``oracle`` only).
         oracle_nodes: which nodes the oracle's probes estimate (``oracle`` only): ``all``, or
             one stage's, ``roots`` or ``prefixes``, the other stage's predictions coming from
@@ -115,38 +97,23 @@ class TraceDataModule(L.LightningDataModule):
         seed: seed of candidate sampling and rollouts.
     """
 
-    def __init__(self, task: TaskData | None = None,
-                 train: str | None = None, corpus: str | None = None,
-                 retriever_url: str | None = None, retriever_timeout_s: float = 10.0,
-                 retriever_retries: int = 2, retriever_reconnect_wait_s: float = 30.0,
-                 val: list[EvalSet] | None = None,
-                 policy_path: str = "", engine: EngineConfig | None = None,
-                 env: EnvConfig | None = None, sampling: SamplingConfig | None = None,
+    def __init__(self, task: TaskData, policy_path: str = "",
+                 engine: EngineConfig | None = None, sampling: SamplingConfig | None = None,
                  val_temperature: float = 0.0, val_samples: int = 1,
                  allocator: Allocator | None = None,
                  candidates_per_step: int = 64, advantage: str = "tree_grpo",
                  tree_packing: bool = True, max_tokens_per_microbatch: int = 8192,
                  minibatches_per_step: int = 1, ppo_epochs: int = 1,
                  train_limit: int | None = None, trees_dir: str | None = None,
-                 demo: DemoConfig | None = None, oracle_samples: int = 8,
-                 oracle_nodes: OracleNodes = "all", seed: int = 0):
+                 oracle_samples: int = 8, oracle_nodes: OracleNodes = "all", seed: int = 0):
         super().__init__()
         # a step without training sequences gives every rank an empty train loader
         self.allow_zero_length_dataloader_with_multiple_devices = True
-        if task is not None:
-            given = {"train": train, "corpus": corpus, "retriever_url": retriever_url,
-                     "val": val, "env": env, "demo": demo}
-            set_ = [f"--data.{k}" for k in SEARCH_QA_FLAGS if given[k]]
-            if set_:
-                raise ValueError(
-                    f"--data.task ({type(task).__name__}) and {', '.join(set_)} are both set: "
-                    f"those are the search-QA task's settings, which --data.task replaces; "
-                    f"set them in --data.task.init_args, or leave --data.task out for search "
-                    f"QA")
-        self.task = task or SearchQAData(
-            train=train, corpus=corpus, retriever_url=retriever_url,
-            retriever_timeout_s=retriever_timeout_s, retriever_retries=retriever_retries,
-            retriever_reconnect_wait_s=retriever_reconnect_wait_s, val=val, env=env, demo=demo)
+        if not isinstance(task, TaskData):
+            raise TypeError(f"--data.task must be a TaskData (a task's class_path and its "
+                            f"init_args, e.g. trace_lightning.tasks.search_qa.SearchQAData); "
+                            f"got {type(task).__name__}")
+        self.task = task
         self.policy_path = policy_path
         self.policy_dir = policy_path  # a hub id becomes its cached snapshot in setup
         self.engine_cfg = engine or EngineConfig()
@@ -184,16 +151,17 @@ class TraceDataModule(L.LightningDataModule):
         if self.train_limit is not None and self.train_limit < 0:
             raise ValueError(f"--data.train_limit ({self.train_limit}) must be >= 0 or null "
                              f"(all)")
-        seq = self.task.max_seq_tokens  # the task's trajectory limit (--data.env.max_seq_tokens)
+        seq = self.task.max_seq_tokens  # the task's trajectory limit (one of its init_args)
         if self.max_tokens_per_microbatch < seq:
             raise ValueError(f"--data.max_tokens_per_microbatch ({self.max_tokens_per_microbatch})"
-                             f" must be >= the task's max_seq_tokens ({seq}, "
-                             f"--data.env.max_seq_tokens for search QA) so any trajectory fits")
+                             f" must be >= the task's max_seq_tokens ({seq}, a setting of "
+                             f"--data.task.init_args) so any trajectory fits")
         if self.engine_cfg.max_model_len < seq + self.sampling.max_tokens:
             raise ValueError(
                 f"--data.engine.max_model_len ({self.engine_cfg.max_model_len}) must be >= "
                 f"the task's max_seq_tokens + --data.sampling.max_tokens "
-                f"({seq} + {self.sampling.max_tokens}; --data.env.max_seq_tokens for search QA)")
+                f"({seq} + {self.sampling.max_tokens}; max_seq_tokens is a setting of "
+                f"--data.task.init_args)")
         if not self.sampling.temperature > 0 or self.sampling.top_p != 1.0:
             raise ValueError(
                 f"--data.sampling.temperature ({self.sampling.temperature}) must be > 0 and "
@@ -325,8 +293,8 @@ class TraceDataModule(L.LightningDataModule):
                 f"--trainer.limit_val_batches ({limit}): validation rolls out all of each "
                 f"set's questions before scoring a batch, so a share of the batches would "
                 f"waste the rest (and can leave one process with none, which stops alone); "
-                f"limit the questions instead (the `limit` of each --data.val set), or leave "
-                f"it at 1.0")
+                f"limit the task's questions instead (search QA: the `limit` of each "
+                f"--data.task.init_args.val set), or leave it at 1.0")
 
     def _agree_on_checkpoint(self) -> None:
         """Every process loads the same checkpoint (``expect_checkpoint``), or none does."""

@@ -11,7 +11,6 @@ The tokenizer mirrors Qwen's conventions: ``<|im_start|>``/``<|im_end|>`` chat m
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -22,8 +21,6 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 CONTROL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
-AGENT_TAGS = ["<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>",
-              "<information>", "</information>"]
 
 # Qwen-style chat template, without tools or thinking switches.
 CHAT_TEMPLATE = (
@@ -41,7 +38,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     Args:
         texts: training text (any iterable of strings).
         vocab_size: target vocabulary size, control tokens and ``special_tokens`` included.
-        special_tokens: strings kept whole as one token each, e.g. ``AGENT_TAGS``. They are
+        special_tokens: strings kept whole as one token each, e.g. an agent's tags. They are
             added as *non-special* added tokens so that decoding (which by default skips
             special tokens, in vLLM too) keeps them and stop strings such as ``</search>``
             can match. The chat control tokens (``CONTROL_TOKENS``) are always added and
@@ -137,28 +134,3 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path, se
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def build_tiny_from_corpus(corpus: str | Path, out_dir: str | Path, vocab_size: int = 1024,
-                           passages: int = 300, seed: int = 0, **config) -> Path:
-    """Train a tokenizer on the first ``passages`` passages of a JSONL corpus plus the agent
-    tags, and save a tiny Qwen3 for it in ``out_dir`` (see ``build_tiny_model``)."""
-    texts = read_corpus_texts(corpus, passages) + [" ".join(AGENT_TAGS)]
-    tokenizer = train_tokenizer(texts, vocab_size, AGENT_TAGS)
-    return build_tiny_model(tokenizer, out_dir, seed=seed, **config)
-
-
-def read_corpus_texts(path: str | Path, limit: int) -> list[str]:
-    """The first ``limit`` passages (``title. text``) of a JSONL corpus
-    (``{"title", "text"}`` or FlashRAG's ``{"contents"}``)."""
-    texts: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if len(texts) >= limit:
-                break
-            rec = json.loads(line)
-            if "contents" in rec:
-                texts.append(rec["contents"])
-            else:
-                texts.append(f"{rec['title']}. {rec['text']}")
-    return texts

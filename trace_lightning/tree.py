@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from trace_lightning.jsonl import write_records
@@ -202,21 +202,15 @@ class RolloutTree:
     @classmethod
     def from_dict(cls, d: dict) -> RolloutTree:
         d = dict(d)
-        nodes = [Node(**_node_fields(n)) for n in d.pop("nodes")]
+        known = {f.name for f in fields(Node)}
+        unknown = sorted({k for n in d["nodes"] for k in n} - known)
+        if unknown:
+            raise ValueError(f"tree {d.get('tree_id')!r} has node fields {unknown} that "
+                             f"RolloutTree's nodes do not have: it was written by another "
+                             f"version of trace-lightning; read it with that version")
+        nodes = [Node(**n) for n in d.pop("nodes")]
         budget = Budget(**d.pop("budget"))
         return cls(nodes=nodes, budget=budget, **d)
-
-
-def _node_fields(n: dict) -> dict:
-    """A node's fields; a tree written before the task seam keeps a leaf's ``em`` and ``f1``
-    as fields of their own, read into ``metrics``."""
-    if "em" not in n and "f1" not in n:
-        return n
-    n = dict(n)
-    em, f1 = n.pop("em", None), n.pop("f1", None)
-    if n.get("metrics") is None and (em is not None or f1 is not None):
-        n["metrics"] = {"em": em, "f1": f1}
-    return n
 
 
 @dataclass

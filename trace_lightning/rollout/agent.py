@@ -105,10 +105,10 @@ class AgentLoop:
         ids, text = self.env.prompt(example)
         if len(ids) >= self.env.max_seq_tokens:  # every rollout would end empty, reward 0
             raise ValueError(
-                f"the prompt of question {example.id!r} is {len(ids)} tokens, at or over "
-                f"--data.env.max_seq_tokens ({self.env.max_seq_tokens}): no room for a turn; "
-                f"raise it (and --data.engine.max_model_len) or shorten "
-                f"--data.env.instruction")
+                f"the prompt of question {example.id!r} is {len(ids)} tokens, at or over the "
+                f"task's max_seq_tokens ({self.env.max_seq_tokens}, a setting of "
+                f"--data.task.init_args): no room for a turn; raise it (and "
+                f"--data.engine.max_model_len) or shorten the task's instruction")
         tree = RolloutTree.new(example.id, example.question, example.answers, ids, text,
                                dataset=example.dataset,
                                prompt_features=(self.env.prompt_features(example)
@@ -271,8 +271,8 @@ class AgentLoop:
                 if not math.isfinite(node.reward):
                     raise ValueError(
                         f"reward {node.reward} of tree {t.tree.tree_id} (question "
-                        f"{t.tree.question!r}) is not finite; check the reward function "
-                        f"(--data.env.reward): the step is not trained on")
+                        f"{t.tree.question!r}) is not finite; check the task's reward "
+                        f"({type(self.env).__name__}.score): the step is not trained on")
                 spent.leaves = 1
                 if t.state is not None:
                     t.state.close()

@@ -227,8 +227,9 @@ class TraceModule(L.LightningModule):
         except OSError as e:
             raise FileNotFoundError(
                 f"--model.policy_path ({self.hparams.policy_path!r}) could not be loaded ({e}); "
-                f"give a directory saved with save_pretrained, or set --data.demo so the demo "
-                f"policy is built there") from e
+                f"give a directory saved with save_pretrained, or the policy a task builds "
+                f"(search QA's --data.task.init_args.demo, calc's model/ under its out_dir) "
+                f"there") from e
         self.policy.train()  # from_pretrained returns eval mode (dropout is off: see above)
         for m in self.policy.modules():
             if isinstance(m, torch.nn.Dropout):

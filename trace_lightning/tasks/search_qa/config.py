@@ -1,4 +1,5 @@
-"""The search-QA task's typed settings (``--data.env.*``, ``--data.val``, ``--data.demo.*``).
+"""The search-QA task's typed settings (``--data.task.init_args.env.*``,
+``--data.task.init_args.val``, ``--data.task.init_args.demo.*``).
 
 Each is a dataclass whose fields LightningCLI turns into flags and YAML keys.
 """
@@ -93,11 +94,11 @@ class DemoConfig:
         known = set(inspect.signature(prepare_demo).parameters) - own
         for key in self.options:
             if key in own:
-                raise ValueError(f"--data.demo.options sets {key!r}, which is --data.demo.{key} "
-                                 f"itself; set that instead")
+                raise ValueError(f"--data.task.init_args.demo.options sets {key!r}, which is "
+                                 f"--data.task.init_args.demo.{key} itself; set that instead")
             if key not in known:
-                raise ValueError(f"--data.demo.options: {key!r} is not an option of the demo "
-                                 f"world; known: {', '.join(sorted(known))}")
+                raise ValueError(f"--data.task.init_args.demo.options: {key!r} is not an option "
+                                 f"of the demo world; known: {', '.join(sorted(known))}")
 
 
 __all__ = ["DemoConfig", "EnvConfig", "EvalSet"]

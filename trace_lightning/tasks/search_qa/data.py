@@ -1,11 +1,11 @@
 """Search QA's ``TaskData``: questions, corpora, retrievers and the generated demo world.
 
-Training questions come from a QA JSONL (``--data.train``) or the demo world
-(``--data.demo``); the agent searches BM25 over a corpus JSONL (``--data.corpus``) or a
-Search-R1 retrieval server (``--data.retriever_url``); each validation set
-(``--data.val``) may search its own corpus. Every file and setting is checked before any
-work: here on construction (the flags) and in ``setup`` (files, the server), before the
-engine starts.
+Training questions come from a QA JSONL (``--data.task.init_args.train``) or the demo world
+(``--data.task.init_args.demo``); the agent searches BM25 over a corpus JSONL
+(``--data.task.init_args.corpus``) or a Search-R1 retrieval server
+(``--data.task.init_args.retriever_url``); each validation set (``--data.task.init_args.val``)
+may search its own corpus. Every file and setting is checked before any work: here on
+construction (the flags) and in ``setup`` (files, the server), before the engine starts.
 """
 
 from __future__ import annotations
@@ -47,17 +47,21 @@ class SearchQAData(TaskData):
     def _check_flags(self) -> None:
         """The settings alone, refused before any work."""
         if self.demo is None and not self.train_path:
-            raise ValueError("--data.train is not set; give a QA JSONL of training questions "
-                             "or set --data.demo to use the generated demo world")
+            raise ValueError("--data.task.init_args.train is not set; give a QA JSONL of training "
+                             "questions or set --data.task.init_args.demo to use the generated "
+                             "demo world")
         if self.demo is None and not (self.corpus or self.retriever_url):
-            raise ValueError("neither --data.corpus nor --data.retriever_url is set; the agent "
+            raise ValueError("neither --data.task.init_args.corpus nor "
+                             "--data.task.init_args.retriever_url is set; the agent "
                              "needs a retriever: give a corpus JSONL for BM25 or the URL of "
                              "`trace-lightning-retriever`")
         if self.demo is None and self.corpus and self.retriever_url:
-            raise ValueError(f"both --data.corpus ({self.corpus!r}) and --data.retriever_url "
+            raise ValueError(f"both --data.task.init_args.corpus ({self.corpus!r}) and "
+                             f"--data.task.init_args.retriever_url "
                              f"({self.retriever_url!r}) are set: training would search the "
                              f"corpus, validation sets without a corpus the server; set one "
-                             f"(a validation set can name its own corpus in --data.val)")
+                             f"(a validation set can name its own corpus in "
+                             f"--data.task.init_args.val)")
         for flag, _, limit in self._qa_files():
             if limit is not None and limit < 0:
                 raise ValueError(f"{flag}: limit ({limit}) must be >= 0 or null (all)")
@@ -66,25 +70,26 @@ class SearchQAData(TaskData):
         names = [v.name for v in self.val_sets]
         if len(set(names)) < len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"--data.val names {twice} more than once; a set's name is its "
-                             f"metric key (val/<name>/em), so one would replace the other: "
-                             f"give each set its own name")
+            raise ValueError(f"--data.task.init_args.val names {twice} more than once; a set's "
+                             f"name is its metric key (val/<name>/em), so one would replace the "
+                             f"other: give each set its own name")
         if self.demo is not None:
             # the demo trains on its own questions and searches its own corpora (its held-out
-            # set too): these would be ignored; the server still serves a --data.val set
-            # without a corpus of its own
-            ignored = [(f, v) for f, v in (("--data.train", self.train_path),
-                                           ("--data.corpus", self.corpus)) if v]
+            # set too): these would be ignored; the server still serves a
+            # --data.task.init_args.val set without a corpus of its own
+            ignored = [(f, v) for f, v in (("--data.task.init_args.train", self.train_path),
+                                           ("--data.task.init_args.corpus", self.corpus)) if v]
             if self.retriever_url and all(v.corpus for v in self.val_sets):
-                ignored.append(("--data.retriever_url", self.retriever_url))
+                ignored.append(("--data.task.init_args.retriever_url", self.retriever_url))
             if ignored:
                 given = ", ".join(f"{f} ({v!r})" for f, v in ignored)
                 flags = ", ".join(f for f, _ in ignored)
                 raise ValueError(
-                    f"{given} and --data.demo are both set: the demo world trains on its own "
-                    f"questions and searches its own corpora, so {flags} would be ignored; set "
-                    f"--data.demo=null to use yours (configs/demo.yaml sets data.demo), or "
-                    f"leave them out to train on the demo world")
+                    f"{given} and --data.task.init_args.demo are both set: the demo world "
+                    f"trains on its own questions and searches its own corpora, so {flags} "
+                    f"would be ignored; set --data.task.init_args.demo=null to use yours "
+                    f"(configs/demo.yaml sets data.task.init_args.demo), or leave them out to "
+                    f"train on the demo world")
 
     def _check_policy(self, policy_path: str) -> None:
         """The demo trains its own policy: ``--model.policy_path`` must be it."""
@@ -94,15 +99,16 @@ class SearchQAData(TaskData):
             model_dir = DemoPaths.under(self.demo.out_dir).model
             if Path(policy_path).resolve() != model_dir.resolve():
                 raise ValueError(f"--model.policy_path ({policy_path!r}) must be the demo's "
-                                 f"policy {str(model_dir)!r} when --data.demo is set; set it so")
+                                 f"policy {str(model_dir)!r} when --data.task.init_args.demo is "
+                                 f"set; set it so")
 
     def _qa_files(self, fitting: bool = True) -> list[tuple[str, str, int | None]]:
         """(flag, path, limit) of every QA file named (the training file when ``fitting``
         and not a demo run, whose files prepare writes)."""
-        named = [(f"--data.val[{i}] (set {v.name!r})", v.path, v.limit)
+        named = [(f"--data.task.init_args.val[{i}] (set {v.name!r})", v.path, v.limit)
                  for i, v in enumerate(self.val_sets)]
         if self.demo is None and fitting:
-            named.insert(0, ("--data.train", self.train_path, None))
+            named.insert(0, ("--data.task.init_args.train", self.train_path, None))
         return named
 
     def _check_files(self, fitting: bool, before_demo: bool = False) -> None:
@@ -111,8 +117,8 @@ class SearchQAData(TaskData):
         before the first epoch trains (a validation set's files are read only at the first
         validation)."""
         named = [(flag, "QA file", path) for flag, path, _ in self._qa_files(fitting)]
-        named += [("--data.corpus", "corpus", self.corpus)] + [
-            (f"--data.val[{i}].corpus (set {v.name!r})", "corpus", v.corpus)
+        named += [("--data.task.init_args.corpus", "corpus", self.corpus)] + [
+            (f"--data.task.init_args.val[{i}].corpus (set {v.name!r})", "corpus", v.corpus)
             for i, v in enumerate(self.val_sets)]
         demo_dir = Path(self.demo.out_dir).resolve() if before_demo and self.demo else None
         for flag, what, path in named:
@@ -160,8 +166,8 @@ class SearchQAData(TaskData):
             if len(self.train_examples) < prompts_needed:
                 raise ValueError(
                     f"{self.train_path} holds {len(self.train_examples)} training questions "
-                    f"(--data.train, --data.train_limit {train_limit}), fewer than the "
-                    f"{prompts_needed} prompts the allocator needs per step; give more "
+                    f"(--data.task.init_args.train, --data.train_limit {train_limit}), fewer "
+                    f"than the {prompts_needed} prompts the allocator needs per step; give more "
                     f"questions or lower --data.allocator.roots")
         if not self.val_examples:
             # the set's name is the metric key, whatever the records call themselves
@@ -174,13 +180,14 @@ class SearchQAData(TaskData):
                 raise ValueError(
                     f"validation set {v.name!r} ({v.path}) holds no questions (limit "
                     f"{v.limit}); give it a QA file with records and a limit of at least "
-                    f"{processes}, or leave it out of --data.val")
+                    f"{processes}, or leave it out of --data.task.init_args.val")
             if len(examples) < processes:
                 raise ValueError(
                     f"validation set {v.name!r} ({v.path}) holds {len(examples)} questions, "
                     f"fewer than the {processes} processes: one without any would skip "
                     f"validation while the others wait for it to gather accuracy (a hang); "
-                    f"give it at least {processes} (its limit in --data.val) or leave it out")
+                    f"give it at least {processes} (its limit in --data.task.init_args.val) or "
+                    f"leave it out")
         # corpora are read (and indexed, cached on disk) now: a bad line fails before the
         # engine starts, not at the first rollout or validation epochs later
         if fitting and not self.retriever_url:

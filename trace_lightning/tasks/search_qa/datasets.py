@@ -152,8 +152,9 @@ def load_qa(path: str | os.PathLike, dataset: str | None = None,
     if not examples:  # limit 0 returned above: the file has no record at all
         content = "0 bytes" if path.stat().st_size == 0 else "only blank lines"
         raise ValueError(f"QA file {path} is empty ({content}): it has no question to load; "
-                         f"point the flag that names it (--data.train, or a set's path in "
-                         f"--data.val) at a QA JSONL with records, {_SCHEMA}")
+                         f"point the flag that names it (--data.task.init_args.train, or a set's "
+                         f"path in --data.task.init_args.val) at a QA JSONL with records, "
+                         f"{_SCHEMA}")
     if unscorable:
         more = f" and {len(unscorable) - 3} more" if len(unscorable) > 3 else ""
         log.warning("%s: %d question(s) have no answer that survives answer normalisation "

@@ -95,23 +95,25 @@ def format_passages(passages: Sequence[Passage]) -> str:
 def check_settings(topk: int, max_turns: int, max_obs_tokens: int, max_seq_tokens: int,
                    max_query_chars: int, instruction: str, reward: str,
                    f1_threshold: float) -> None:
-    """ValueError naming the ``--data.env`` flag of a setting ``SearchEnvironment`` cannot
-    use; ``EnvConfig`` runs it when the run is configured, before any engine starts."""
+    """ValueError naming the ``--data.task.init_args.env`` flag of a setting
+    ``SearchEnvironment`` cannot use; ``EnvConfig`` runs it when the run is configured, before
+    any engine starts."""
     if "{question}" not in instruction:
-        raise ValueError(f"--data.env.instruction must contain '{{question}}'; got "
+        raise ValueError(f"--data.task.init_args.env.instruction must contain '{{question}}'; got "
                          f"{instruction[:80]!r}")
     for flag, value, least in (("max_query_chars", max_query_chars, 1), ("topk", topk, 1),
                                ("max_turns", max_turns, 1),
                                ("max_obs_tokens", max_obs_tokens, 0),  # 0: tags only
                                ("max_seq_tokens", max_seq_tokens, 1)):
         if value < least:
-            raise ValueError(f"--data.env.{flag} ({value}) must be >= {least}")
+            raise ValueError(f"--data.task.init_args.env.{flag} ({value}) must be >= {least}")
     if reward not in ("em", "f1", "f1_threshold"):
-        raise ValueError(f"--data.env.reward ({reward!r}) must be one of 'em', 'f1', "
-                         f"'f1_threshold'")
+        raise ValueError(f"--data.task.init_args.env.reward ({reward!r}) must be one of 'em', "
+                         f"'f1', 'f1_threshold'")
     if not 0.0 < f1_threshold <= 1.0:
-        raise ValueError(f"--data.env.f1_threshold ({f1_threshold}) must be in (0, 1]: at "
-                         f"0 every answer, even a missing one (F1 0), would earn reward 1")
+        raise ValueError(f"--data.task.init_args.env.f1_threshold ({f1_threshold}) must be in "
+                         f"(0, 1]: at 0 every answer, even a missing one (F1 0), would earn "
+                         f"reward 1")
 
 
 class SearchEnvironment(StatelessTools):

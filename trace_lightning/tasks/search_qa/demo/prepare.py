@@ -43,7 +43,8 @@ from trace_lightning.tasks.search_qa.demo.world import World, generate_world, vo
 from trace_lightning.tasks.search_qa.environment import SearchEnvironment
 from trace_lightning.training.export import replace_dir
 from trace_lightning.jsonl import write_records
-from trace_lightning.models import AGENT_TAGS, build_tiny_model, train_tokenizer
+from trace_lightning.models import build_tiny_model, train_tokenizer
+from trace_lightning.tasks.search_qa.tiny_policy import AGENT_TAGS
 from trace_lightning.tasks.search_qa.retrieval import BM25Retriever
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,8 @@ def prepare_demo(out_dir: str | Path, seed: int = 0, eval_seed: int = 1, warm_se
     """
     if seed == eval_seed:
         raise ValueError(f"prepare_demo: eval_seed ({eval_seed}) equals seed ({seed}) "
-                         f"(--data.demo.eval_seed, --data.demo.seed): the held-out world would "
+                         f"(--data.task.init_args.demo.eval_seed, "
+                         f"--data.task.init_args.demo.seed): the held-out world would "
                          f"be the training world and its questions training questions, so "
                          f"held-out accuracy would measure memorisation; set eval_seed to "
                          f"another seed (default 1, with seed 0)")

@@ -215,7 +215,7 @@ def warm_start(model_dir: str | Path, worlds: World | Sequence[World], env: Sear
         fit_demonstrations(model_dir, seqs, stats, steps, batch_size, lr, warmup, weight_decay,
                            context_weight, stop_loss, seed, log_every,
                            env.tokenizer.pad_token_id,
-                           lr_flag="warm_start_lr in --data.demo.options")
+                           lr_flag="warm_start_lr in --data.task.init_args.demo.options")
     finally:
         torch.set_num_threads(threads)
     stats["seconds"] = time.perf_counter() - start

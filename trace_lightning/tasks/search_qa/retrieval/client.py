@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 5.0
 RETRIED_4XX = (408, 429)  # Request Timeout, Too Many Requests: try again later
 _FIX = ("start one with `trace-lightning-retriever --corpus PATH --port PORT`, or set "
-        "`--data.retriever_url` to a running server")
+        "`--data.task.init_args.retriever_url` to a running server")
 
 
 class RetrieverError(RuntimeError):
@@ -98,17 +98,17 @@ class HTTPRetriever:
                  backoff_s: float = 0.2, batch_size: int = 64, reconnect_wait_s: float = 30.0):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"retriever url (--data.retriever_url) {url!r} is not an http(s) "
-                             f"address; give the server's, e.g. http://127.0.0.1:8000 "
-                             f"(`trace-lightning-retriever`)")
+            raise ValueError(f"retriever url (--data.task.init_args.retriever_url) {url!r} is "
+                             f"not an http(s) address; give the server's, e.g. "
+                             f"http://127.0.0.1:8000 (`trace-lightning-retriever`)")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"retriever timeout_s (--data.retriever_timeout_s) is {timeout_s}; "
-                             f"it must be a finite number of seconds > 0, e.g. 10")
+            raise ValueError(f"retriever timeout_s (--data.task.init_args.retriever_timeout_s) is "
+                             f"{timeout_s}; it must be a finite number of seconds > 0, e.g. 10")
         if retries < 0:
-            raise ValueError(f"retriever retries (--data.retriever_retries) is {retries}; it "
-                             f"must be >= 0 (0: no retry), e.g. 2")
+            raise ValueError(f"retriever retries (--data.task.init_args.retriever_retries) is "
+                             f"{retries}; it must be >= 0 (0: no retry), e.g. 2")
         for name, value in (("backoff_s", backoff_s),
-                            ("reconnect_wait_s (--data.retriever_reconnect_wait_s)",
+                            ("reconnect_wait_s (--data.task.init_args.retriever_reconnect_wait_s)",
                              reconnect_wait_s)):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"retriever {name} is {value}; it must be a finite number "
@@ -136,10 +136,11 @@ class HTTPRetriever:
 
     def check(self, topk: int = 1, *, max_query_chars: int | None = None) -> None:
         """Fail fast: raise RetrieverError unless the server answers ``/health`` and a
-        one-query search for ``topk`` passages (the run's ``--data.env.topk``: a server may
-        refuse more, e.g. ``trace-lightning-retriever --topk-max``), and unless it takes
-        queries of ``max_query_chars`` characters (the run's ``--data.env.max_query_chars``;
-        None: not checked) where ``/health`` says how long a query it takes.
+        one-query search for ``topk`` passages (the run's ``--data.task.init_args.env.topk``: a
+        server may refuse more, e.g. ``trace-lightning-retriever --topk-max``), and unless it
+        takes queries of ``max_query_chars`` characters (the run's
+        ``--data.task.init_args.env.max_query_chars``; None: not checked) where ``/health`` says
+        how long a query it takes.
 
         A server without ``/health`` (404, e.g. Search-R1's own) is checked by the search
         alone. A refused connection is not waited for (``reconnect_wait_s``): nothing is lost
@@ -148,7 +149,7 @@ class HTTPRetriever:
         """
         for flag, value in (("topk", topk), ("max_query_chars", max_query_chars)):
             if value is not None and value < 1:
-                raise ValueError(f"--data.env.{flag} ({value}) must be >= 1")
+                raise ValueError(f"--data.task.init_args.env.{flag} ({value}) must be >= 1")
         try:
             health = self._request("/health", None, 0.0)
         except RetrieverError as e:
@@ -165,10 +166,10 @@ class HTTPRetriever:
         if isinstance(longest, int) and max_query_chars is not None and longest < max_query_chars:
             raise RetrieverError(f"retriever {self.url} takes queries of at most {longest} "
                                  f"characters (its --max-query-chars), but the run sends up to "
-                                 f"{max_query_chars} (--data.env.max_query_chars); the first "
-                                 f"longer query would be refused (HTTP 413) mid-run: lower "
-                                 f"--data.env.max_query_chars to {longest}, or raise the "
-                                 f"server's --max-query-chars to {max_query_chars}")
+                                 f"{max_query_chars} (--data.task.init_args.env.max_query_chars); "
+                                 f"the first longer query would be refused (HTTP 413) mid-run: "
+                                 f"lower --data.task.init_args.env.max_query_chars to {longest}, "
+                                 f"or raise the server's --max-query-chars to {max_query_chars}")
         try:
             self._parse(self._request("/retrieve", {"queries": ["test"], "topk": topk,
                                                     "return_scores": True}, 0.0), 1, topk)
@@ -176,7 +177,8 @@ class HTTPRetriever:
             if e.status not in (400, 413):  # a refusal that may be about topk
                 raise
             raise RetrieverError(f"{e}; the run searches with topk {topk} "
-                                 f"(--data.env.topk): lower it, or raise the server's limit",
+                                 f"(--data.task.init_args.env.topk): lower it, or raise the "
+                                 f"server's limit",
                                  status=e.status) from None
 
     # -- internals ------------------------------------------------------------------------
@@ -206,11 +208,12 @@ class HTTPRetriever:
             time.sleep(delay)
         if failure.kind == "timeout":
             fix = (f"If the server is busy (a large index, a batch of {self.batch_size} "
-                   f"queries), allow it more: timeout_s (--data.retriever_timeout_s) or retries "
-                   f"(--data.retriever_retries)")
+                   f"queries), allow it more: timeout_s "
+                   f"(--data.task.init_args.retriever_timeout_s) or retries "
+                   f"(--data.task.init_args.retriever_retries)")
         elif failure.kind == "busy":
-            fix = ("The server is overloaded: allow it more retries (--data.retriever_retries) "
-                   "or give it fewer clients")
+            fix = ("The server is overloaded: allow it more retries "
+                   "(--data.task.init_args.retriever_retries) or give it fewer clients")
         elif failure.kind == "server":
             fix = "The server (or a proxy before it) answered but failed: see its log for the cause"
         else:
@@ -239,7 +242,7 @@ class HTTPRetriever:
                 raise _Transient(f"HTTP {e.code}: {message}", "busy") from None
             if 400 <= e.code < 500:
                 hint = (f"; is {self.url} a Search-R1 retriever (POST /retrieve)? check "
-                        f"--data.retriever_url" if e.code in (404, 405) else "")
+                        f"--data.task.init_args.retriever_url" if e.code in (404, 405) else "")
                 raise RetrieverError(f"retriever {url} refused the request with HTTP "
                                      f"{e.code}: {message}{hint}", status=e.code) from None
             raise _Transient(f"HTTP {e.code}: {message[:200]}", "server") from None
