@@ -411,6 +411,7 @@ class NumberedSearch(SearchEnvironment):
         self.continuation, self.drift = continuation, drift
         self.counts = {"started": 0, "forks": 0, "closed": 0, "executed": 0}
         self.states: list[SearchLog] = []
+        self.scored: list[tuple[str, int]] = []  # (example, searches its state holds)
 
     def start(self, example: Example) -> SearchLog:
         assert example.extras == {"tag": example.id}, "the example's own extras"
@@ -427,6 +428,11 @@ class NumberedSearch(SearchEnvironment):
             text = f"\n\n<information>search {len(state.queries)}{ever}</information>\n\n"
             out.append((self._encode(text), text))
         return out
+
+    def score(self, final, example, state=None):
+        assert not state.closed, "scored on the trajectory's state, before it is closed"
+        self.scored.append((example.id, len(state.queries)))
+        return super().score(final, example, state)
 
 
 def grow_with_continuations(engine, env, examples):
@@ -463,6 +469,12 @@ def test_continuations_start_from_the_tool_state_their_prefix_left(
         assert env.counts["started"] == bare + continued and env.counts["forks"] == 0
         assert env.counts["executed"] == tool_turns + replayed
     assert env.counts["closed"] == env.counts["started"] + env.counts["forks"]
+    # every leaf scored against its own trajectory's state: the searches its path ran (a
+    # search on the last turn runs none; one whose observation would not fit ran, unshown)
+    leaves = [(t.tree_id, sum(bool(n.observation) for n in t.path(leaf.id))
+               + (leaf.finish_reason == "max_tokens" and leaf.action == "search"))
+              for t in trees for leaf in t.leaves()]
+    assert sorted(env.scored) == sorted(leaves)
 
 
 def test_fork_and_replay_grow_the_same_trees(vllm_scripted, retriever, tokenizer, examples):

@@ -267,7 +267,7 @@ class AgentLoop:
                 argument=a.argument if a.kind != "invalid" else a.error,
                 finished=bool(finish), finish_reason=finish)
             if finish:
-                node.reward, node.metrics = self.env.score(a, t.example)
+                node.reward, node.metrics = self.env.score(a, t.example, t.state)
                 if not math.isfinite(node.reward):
                     raise ValueError(
                         f"reward {node.reward} of tree {t.tree.tree_id} (question "

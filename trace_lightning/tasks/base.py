@@ -131,9 +131,11 @@ class Task(Protocol):
         a query the tool refuses) gets an error observation, never an exception for the
         step."""
 
-    def score(self, final: Turn, example: Example) -> tuple[float, dict[str, float]]:
+    def score(self, final: Turn, example: Example, state: ToolState | None = None
+              ) -> tuple[float, dict[str, float]]:
         """The reward of a trajectory of ``example`` that ended on ``final`` (0 unless it
-        answered) and its ``metrics`` (search QA: ``{"em", "f1"}``)."""
+        answered) and its ``metrics`` (search QA: ``{"em", "f1"}``). ``state`` is the
+        trajectory's tool state as it ended (a SQL answer is a query run in its session)."""
 
 
 class StatelessTools:

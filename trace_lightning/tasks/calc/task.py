@@ -154,7 +154,8 @@ class CalcTask(StatelessTools):
             out.append((self._encode(text), text))
         return out
 
-    def score(self, final: Turn, example: Example) -> tuple[float, dict[str, float]]:
+    def score(self, final: Turn, example: Example, state: None = None
+              ) -> tuple[float, dict[str, float]]:
         """(reward, {"correct"}) of a trajectory of ``example`` that ended on ``final``: 1 when
         it answered a number equal to a gold answer, else 0."""
         value = answer_value(final.argument) if final.kind == ANSWER else None

@@ -229,7 +229,8 @@ class SearchEnvironment(StatelessTools):
         self._described[key] = out
         return out
 
-    def score(self, final: Turn, example: Example) -> tuple[float, dict[str, float]]:
+    def score(self, final: Turn, example: Example, state: None = None
+              ) -> tuple[float, dict[str, float]]:
         """The reward of a trajectory of ``example`` that ended on ``final`` and its ``em``
         and ``f1``; 0 unless it answered."""
         answer = final.argument if final.kind == "answer" else None
