@@ -110,7 +110,7 @@ from trace_lightning.rollout.engines.hf_engine import HFEngine  # noqa: E402
 from trace_lightning.math.loss import (masked_token_logprobs, policy_loss,  # noqa: E402
                                   token_logprobs)
 from trace_lightning.training.module import TraceModule, compile_decoder_layers  # noqa: E402
-from trace_lightning.training.packing import collate, pack_microbatches, padding_share  # noqa: E402
+from trace_lightning.packing.leaves import collate, pack_microbatches, padding_share  # noqa: E402
 from trace_lightning.tree import LeafSequence  # noqa: E402
 
 PEAK_FLOPS = 790e12  # bf16 dense matmul, measured on the H200 (the project's design notes)
@@ -291,7 +291,7 @@ def synth_tree_minibatches(s: Setup, n: int, seed: int) -> list[dict]:
     sequence (``tree_packing``): about ``accum * batch * seq`` tokens over leaves per
     mini-batch; ``lengths`` are the leaves' (the per-leaf work, for FLOPs and tokens/s)."""
     from trace_lightning.math.advantage import assign_advantages
-    from trace_lightning.training.tree_packing import tree_minibatches, update_units
+    from trace_lightning.packing.trees import tree_minibatches, update_units
 
     spec = importlib.util.spec_from_file_location("bench_update",
                                                   Path(__file__).with_name("update.py"))

@@ -67,9 +67,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device  # noqa: E
 from trace_lightning.math.advantage import assign_advantages  # noqa: E402
 from trace_lightning.math.loss import weighted_policy_loss  # noqa: E402
 from trace_lightning.training.module import TraceModule, flex_attention_available  # noqa: E402
-from trace_lightning.training.packing import collate, pack_microbatches  # noqa: E402
-from trace_lightning.training.tree_attention import TREE_SDPA  # noqa: E402
-from trace_lightning.training.tree_packing import (WEIGHT_KEYS, collate_units,  # noqa: E402
+from trace_lightning.packing.leaves import collate, pack_microbatches  # noqa: E402
+from trace_lightning.packing.attention import TREE_SDPA  # noqa: E402
+from trace_lightning.packing.trees import (WEIGHT_KEYS, collate_units,  # noqa: E402
                                                    pack_rows, update_units)
 
 FP32_RTOL = 1e-5  # packed vs per-leaf, float32: loss and each gradient (relative to its norm)

@@ -161,7 +161,7 @@ def read_policy(policy, ids: list[int], positions: list[int], q_from: int, q_to:
 def collect(args, name: str, policy_dir: str) -> dict:
     """Roll out the labelled set with one policy; returns numpy arrays per node kind."""
     import allocation
-    from trace_lightning.allocation.allocators import bare_reward
+    from trace_lightning.tree import bare_reward
     from trace_lightning.rollout.agent import Start
     from trace_lightning.tasks.search_qa.demo.prepare import DemoPaths
 

@@ -64,13 +64,13 @@ import torch  # noqa: E402
 from trace_lightning.math.advantage import assign_advantages  # noqa: E402
 from trace_lightning.math.loss import weighted_policy_loss  # noqa: E402
 from trace_lightning.training.module import TraceModule  # noqa: E402
-from trace_lightning.training.packing import leaf_minibatches  # noqa: E402
+from trace_lightning.packing.leaves import leaf_minibatches  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
 from trace_lightning.tree import RolloutTree, read_jsonl, write_jsonl  # noqa: E402
-from trace_lightning.training.tree_attention import TREE_SDPA  # noqa: E402
-from trace_lightning.training.tree_packing import (WEIGHT_KEYS, tree_minibatches,  # noqa: E402
+from trace_lightning.packing.attention import TREE_SDPA  # noqa: E402
+from trace_lightning.packing.trees import (WEIGHT_KEYS, tree_minibatches,  # noqa: E402
                                           update_units)
 
 SETS = ("uniform", "trace", "search_r1")
@@ -237,7 +237,7 @@ def packed_row(tokens: int, seed: int) -> dict:
     """One collated micro-batch of one row of exactly ``tokens`` tokens: units of
     Search-R1-shaped trees (``search_r1_trees``, split to fit) while they fit, then a
     one-leaf tree of the rest (a prompt and one policy token)."""
-    from trace_lightning.training.tree_packing import collate_units
+    from trace_lightning.packing.trees import collate_units
 
     units, used, k = [], 0, 0
     while tokens - used >= 1950 and k < 64:  # room for a leaf path: try another tree

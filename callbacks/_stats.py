@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trace_lightning.allocation.allocators import bare_end
+from trace_lightning.tree import bare_end
 from trace_lightning.math.calibration import (brier, brier_baseline, brier_skill,
                                          expected_calibration_error, spearman)
 from trace_lightning.tree import RolloutTree
-from trace_lightning.training.tree_packing import unique_tokens
+from trace_lightning.packing.trees import unique_tokens
 
 if TYPE_CHECKING:
     from trace_lightning.rollout.step import RolloutStep
@@ -99,7 +99,7 @@ def integer_bins(values: Sequence[float]) -> np.ndarray:
 
 # ---- trees -----------------------------------------------------------------------------------
 def bare_rewards(tree: RolloutTree, stage1: int | None = None) -> list[float]:
-    """Each stage-1 bare rollout's own terminal reward (``allocators.bare_end``: the
+    """Each stage-1 bare rollout's own terminal reward (``tree.bare_end``: the
     first-child chain from the root's child); chains that stop unfinished or unscored are
     skipped. ``stage1``: the planned bare rollouts (indices below it); later ones re-spent
     budget no prefix could take, so they are not what stage 1 alone gave (None: every bare

@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 import provenance  # noqa: E402
-from trace_lightning.allocation.allocators import bare_end  # noqa: E402
+from trace_lightning.tree import bare_end  # noqa: E402
 from trace_lightning.allocation.features import confidence_features  # noqa: E402
 from trace_lightning.tree import Node, RolloutTree, read_jsonl  # noqa: E402
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from references import PrefixPlan, plan_prefixes, planned_leaves, prefix_plan, spread_prefix_budget
-from trace_lightning.allocation.allocators import KINDS, Allocator, bare_reward
+from trace_lightning.allocation.allocators import KINDS, Allocator
+from trace_lightning.tree import bare_reward
 from trace_lightning.tree import RolloutTree
 
 

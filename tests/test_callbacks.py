@@ -241,7 +241,7 @@ def test_train_tokens_count_every_ppo_pass_and_only_epochs_with_a_step(tmp_path)
 def test_forwarded_tokens_of_packed_trees_count_each_tree_token_once(tmp_path):
     """With tree packing, the forwards read each tree's tokens once: the trees' unique tokens,
     fewer than the leaves' sequences hold where leaves share prefixes."""
-    from trace_lightning.training.tree_packing import unique_tokens
+    from trace_lightning.packing.trees import unique_tokens
 
     dm = StepData([build_step(0)])
     dm.tree_packing = True

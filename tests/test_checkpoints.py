@@ -21,7 +21,7 @@ from test_module import VOCAB, policy_dir  # noqa: F401 (a fixture)
 from test_resume import _fit, _fsdp, no_process_group  # noqa: F401 (a fixture)
 from trace_lightning.training.checkpoints import check_checkpoint
 from trace_lightning.cli import last_checkpoint, main
-from trace_lightning.training.export import checkpoint_meta
+from trace_lightning.training.checkpoints import checkpoint_meta
 from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from trace_lightning.training.checkpoints import read_checkpoint
 from trace_lightning.training.export import (ELSEWHERE, META_FILE, export_checkpoint, is_local_path,
-                                    main, policy_state, read_checkpoint, replace_dir,
-                                    save_policy)
+                                             main, policy_state, replace_dir, save_policy)
 from builders import tiny_policy
 
 

@@ -157,7 +157,7 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
 
     branched = [t for t in ta + epoch0 if len(t.leaves()) > 1]
     assert any(len(t.bare_rollouts()) < len(t.leaves()) for t in branched)  # continuations
-    from trace_lightning.training.tree_attention import TREE_SDPA
+    from trace_lightning.packing.attention import TREE_SDPA
 
     demo_policy = in_float64(AutoModelForCausalLM.from_pretrained(
         demo_dir / "model", attn_implementation=TREE_SDPA))

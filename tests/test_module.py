@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 from trace_lightning.math.loss import policy_loss, token_logprobs
 from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule, compile_decoder_layers
-from trace_lightning.training.packing import collate
+from trace_lightning.packing.leaves import collate
 from trace_lightning.tree import LeafSequence, RolloutTree
 
 VOCAB = 97
@@ -268,7 +268,7 @@ def test_gradient_norm_is_logged_without_clipping(policy_dir):
 def test_a_mini_batch_without_policy_tokens_does_not_move_the_weights(policy_dir):
     """A step with fewer leaves than mini-batches leaves filler-only mini-batches: Adam's
     moments and weight decay would still move every weight, and the lr schedule advance."""
-    from trace_lightning.training.packing import equalise_over_ranks
+    from trace_lightning.packing.leaves import equalise_over_ranks
 
     real = _minibatch(6)
     filler = equalise_over_ranks([real, {"micro": [], "n_tokens": 0.0}], pad_id=0)[1]
@@ -338,7 +338,7 @@ def _tree_batches(trees: list[RolloutTree], n_minibatches: int) -> list[dict]:
     import copy
 
     from trace_lightning.math.advantage import assign_advantages
-    from trace_lightning.training.tree_packing import tree_minibatches, update_units
+    from trace_lightning.packing.trees import tree_minibatches, update_units
 
     trees = copy.deepcopy(trees)
     units = []

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from trace_lightning.training.packing import collate, pack_microbatches, padding_share, split_minibatches
+from trace_lightning.packing.leaves import collate, pack_microbatches, padding_share, split_minibatches
 from trace_lightning.tree import LeafSequence
 from launch import leave_group
 from builders import search_datamodule
@@ -140,7 +140,7 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
 def _equalise_worker(rank: int, world: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from trace_lightning.training.packing import equalise_over_ranks
+    from trace_lightning.packing.leaves import equalise_over_ranks
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
                             world_size=world)

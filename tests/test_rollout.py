@@ -32,7 +32,7 @@ from trace_lightning.tasks.search_qa.environment import SearchEnvironment, parse
 from trace_lightning.tasks.search_qa.tiny_policy import build_tiny_from_corpus
 from trace_lightning.tasks.search_qa.retrieval import BM25Retriever, RetrieverError
 from trace_lightning.rollout.agent import AgentLoop, Start
-from trace_lightning.allocation.allocators import bare_reward
+from trace_lightning.tree import bare_reward
 from trace_lightning.tree import Budget, RolloutTree
 from launch import leave_group
 

@@ -25,9 +25,9 @@ from trace_lightning.math.rollout_correction import (correction_weights, fold_pa
                                                      mismatch_stats)
 from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule
-from trace_lightning.training.packing import collate
+from trace_lightning.packing.leaves import collate
 from trace_lightning.training.rollout_correction import RolloutCorrection
-from trace_lightning.training.tree_packing import WEIGHT_KEYS, tree_minibatches, update_units
+from trace_lightning.packing.trees import WEIGHT_KEYS, tree_minibatches, update_units
 from trace_lightning.tree import LeafSequence
 from test_tree_packing import (hand_trees, leaf_micro, model_state, policy,  # noqa: F401
                                 sequences, with_old_logprobs_near)
@@ -330,7 +330,7 @@ from transformers import AutoModelForCausalLM
 from launch import leave_group
 from test_rollout_correction import perturbed, sampled_minibatches
 from trace_lightning.training.module import TraceModule
-from trace_lightning.training.packing import equalise_over_ranks
+from trace_lightning.packing.leaves import equalise_over_ranks
 
 KW = dict(rollout_is="token", rollout_is_threshold=1.2)
 

@@ -28,9 +28,9 @@ from trace_lightning.math.advantage import assign_advantages
 from trace_lightning.math.loss import weighted_policy_loss
 from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule
-from trace_lightning.training.tree_attention import (TREE_SDPA, attention_inputs,
+from trace_lightning.packing.attention import (TREE_SDPA, attention_inputs,
                                                      tree_block_mask)
-from trace_lightning.training.tree_packing import WEIGHT_KEYS, collate_units, update_units
+from trace_lightning.packing.trees import WEIGHT_KEYS, collate_units, update_units
 
 VOCAB = 97
 

@@ -23,11 +23,11 @@ from trace_lightning.allocation.features import node_features
 from trace_lightning.math.loss import weighted_policy_loss
 from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule
-from trace_lightning.training.packing import collate, pack_microbatches
+from trace_lightning.packing.leaves import collate, pack_microbatches
 from trace_lightning.tree import RolloutTree
-from trace_lightning.training.tree_attention import TREE_SDPA, node_plan, tree_attention_mask
+from trace_lightning.packing.attention import TREE_SDPA, node_plan, tree_attention_mask
 from builders import search_datamodule
-from trace_lightning.training.tree_packing import (WEIGHT_KEYS, collate_units, layout, pack_rows,
+from trace_lightning.packing.trees import (WEIGHT_KEYS, collate_units, layout, pack_rows,
                                           split_ends, unique_tokens, update_units)
 
 VOCAB = 61
@@ -257,7 +257,7 @@ def test_a_mask_that_shows_a_sibling_is_caught(model_state):
     """Letting a token see the siblings laid out before it (plain causal attention over the
     packed row; or a node plan whose paths hold an earlier sibling's tokens) gives other
     log-probs: the comparisons above can fail."""
-    from trace_lightning.training.tree_packing import node_paths
+    from trace_lightning.packing.trees import node_paths
 
     trees = hand_trees()
     seqs = sequences(trees, "grpo")

@@ -50,7 +50,7 @@ from callbacks._common import RolloutCallback  # noqa: E402
 from callbacks.export_policy import ExportPolicy  # noqa: E402
 from trace_lightning.console import setup_console  # noqa: E402
 from trace_lightning.data import TraceDataModule  # noqa: E402
-from trace_lightning.training.export import checkpoint_meta  # noqa: E402
+from trace_lightning.training.checkpoints import checkpoint_meta  # noqa: E402
 from trace_lightning.training.module import TraceModule  # noqa: E402
 
 log = logging.getLogger(__name__)

@@ -33,14 +33,14 @@ from trace_lightning.collectives import (all_gather_list, any_rank, fail_togethe
                                          raise_together)
 from trace_lightning.rollout.engines.config import EngineConfig
 from trace_lightning.rollout.engines.base import SamplingConfig
-from trace_lightning.training.export import checkpoint_meta
+from trace_lightning.training.checkpoints import checkpoint_meta
 from trace_lightning.hub import local_model_dir
 from trace_lightning.learner import learner_of
-from trace_lightning.training.packing import equalise_over_ranks, leaf_minibatches
+from trace_lightning.packing.leaves import equalise_over_ranks, leaf_minibatches
 from trace_lightning.rollout.agent import AgentLoop, sample_trees
 from trace_lightning.tasks.base import Example, Task, TaskData
 from trace_lightning.tree import RolloutTree, write_jsonl
-from trace_lightning.training.tree_packing import tree_minibatches, update_units
+from trace_lightning.packing.trees import tree_minibatches, update_units
 from trace_lightning.rollout.validation import resampled_loader, val_row
 
 def headline_first(env: Task, task: TaskData) -> tuple[str, ...]:

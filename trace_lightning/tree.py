@@ -229,6 +229,36 @@ class LeafSequence:
     token_advantages: list[float] | None = None  # per token, aligned with input_ids
 
 
+def bare_end(tree: RolloutTree, start: int) -> Node:
+    """Where the bare rollout that starts at the root's child ``start`` ends.
+
+    Its chain follows each node's first child (the bare rollout's own next turn;
+    continuations are added later) to its leaf, or to the node it stopped at unfinished.
+    """
+    node = tree.nodes[start]
+    while not node.finished and node.children:
+        node = tree.nodes[node.children[0]]
+    return node
+
+
+def bare_reward(tree: RolloutTree, rollout: int) -> float:
+    """The terminal reward of bare rollout ``rollout``'s own chain (``bare_end``); raises
+    unless that rollout is finished and scored."""
+    starts = [i for i in tree.root.children if tree.nodes[i].rollout == rollout]
+    if len(starts) != 1:
+        raise ValueError(f"tree {tree.tree_id} has {len(starts)} bare rollouts with index "
+                         f"{rollout}; expected exactly one")
+    node = bare_end(tree, starts[0])
+    if not node.finished:
+        raise ValueError(f"bare rollout {rollout} of tree {tree.tree_id} stops at unfinished "
+                         f"node {node.id}; finish the bare rollouts before planning "
+                         f"continuations")
+    if node.reward is None:
+        raise ValueError(f"leaf {node.id} of tree {tree.tree_id} has no reward; score the bare "
+                         f"rollouts before planning continuations")
+    return float(node.reward)
+
+
 def write_jsonl(trees: Iterable[RolloutTree], path: str | Path) -> None:
     """Write trees one JSON object per line (written to a temp file, then renamed)."""
     write_records((t.to_dict() for t in trees), path)

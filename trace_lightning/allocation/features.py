@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PretrainedConfig
 
-from trace_lightning.training.packing import pack_lengths
+from trace_lightning.packing.leaves import pack_lengths
 from trace_lightning.tree import RolloutTree
-from trace_lightning.training.tree_attention import attention_inputs
-from trace_lightning.training.tree_packing import TreeUnit, collate_units, layout, pack_rows, split_ends
+from trace_lightning.packing.attention import attention_inputs
+from trace_lightning.packing.trees import TreeUnit, collate_units, layout, pack_rows, split_ends
 
 NodeKey = tuple[str, int]  # (tree_id, node_id)
 FeaturiserKind = Literal["hidden", "bag_of_tokens"]
@@ -48,7 +48,7 @@ def _hidden_states(policy: PreTrainedModel, batches: list[dict[str, Tensor]],
     """Run the policy's decoder on each batch and hand ``take(i, hidden (B, T, D))`` the final
     hidden states (after the final norm, before ``lm_head``) of batch ``i``.
 
-    A batch holds ``input_ids`` and, for packed trees, what ``tree_attention.attention_inputs``
+    A batch holds ``input_ids`` and, for packed trees, what ``packing.attention.attention_inputs``
     reads. Runs the decoder body (``policy.get_decoder()``): no vocabulary-sized logits. A
     policy wrapped whole by FSDP runs through its wrapper instead (the wrapper gathers the
     embedding and final norm it owns), reads ``hidden_states[-1]`` and keeps the LM head to
@@ -134,7 +134,7 @@ def _tips(tree: RolloutTree) -> list[int]:
 
 
 def take_node_features(hidden: Tensor, batch: dict, into: dict[NodeKey, Tensor]) -> None:
-    """Read the features of a packed micro-batch's nodes (``tree_packing.collate_units``)
+    """Read the features of a packed micro-batch's nodes (``packing.trees.collate_units``)
     from its final hidden states ``hidden`` ``(R, T, D)`` into ``into``: {(tree_id, node_id):
     (D,) float32, on ``hidden``'s device: no host sync inside a forward; ``on_cpu`` moves
     them in one copy}. A node already in ``into`` keeps its value, so a node in several units

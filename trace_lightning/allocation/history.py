@@ -44,7 +44,7 @@ import logging
 import math
 from collections.abc import Iterable
 
-from trace_lightning.allocation.allocators import bare_reward
+from trace_lightning.tree import bare_reward
 from trace_lightning.tree import RolloutTree
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trace_lightning.tree import RolloutTree
+from trace_lightning.tree import RolloutTree, bare_end
 
 IDENTITY = np.array([1.0, 0.0, 0.0, 0.0])  # (a, b, c, d): p' = p
 _EPS = 1e-4
@@ -92,8 +92,6 @@ class PrefixPosterior:
     def adjust(self, trees: Sequence[RolloutTree]) -> None:
         """Replace the prediction of every prefix whose prompt's bare rollouts have all
         ended (what stage 2 plans from) by its posterior; other nodes are left."""
-        from trace_lightning.allocation.allocators import bare_end  # allocators imports us
-
         for t in trees:
             starts = t.bare_rollouts()
             ends = [bare_end(t, i) for i in starts]

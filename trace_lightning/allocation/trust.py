@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 
 from trace_lightning.math.calibration import brier_skill
-from trace_lightning.tree import RolloutTree
+from trace_lightning.tree import RolloutTree, bare_reward
 
 Stage = Literal["roots", "prefixes"]
 
@@ -60,7 +60,6 @@ def continuation_rewards(tree: RolloutTree, node_id: int) -> list[float]:
 def outcomes(trees: Sequence[RolloutTree], stage1: Sequence[int]
              ) -> dict[str, list[tuple[float, float, float]]]:
     """The step's ``(prediction, outcome, weight)`` triples per stage (see the module)."""
-    from trace_lightning.allocation.allocators import bare_reward  # allocators imports Trust
     out: dict[str, list[tuple[float, float, float]]] = {"roots": [], "prefixes": []}
     for tree, m in zip(trees, stage1):
         if tree.root.prediction is not None and m > 0:

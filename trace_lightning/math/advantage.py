@@ -315,7 +315,7 @@ def assign_advantages(seqs: Sequence[LeafSequence], trees: Sequence[RolloutTree]
 
     Sets ``seq.advantage`` (a scalar: the leaf's advantage; for the per-token kinds, the mean
     over its policy tokens, a summary for logging) and returns the per-token lists, aligned with
-    ``seqs`` and with each ``seq.input_ids``, for :func:`trace_lightning.training.packing.collate`.
+    ``seqs`` and with each ``seq.input_ids``, for :func:`trace_lightning.packing.leaves.collate`.
     """
     _check_kind(kind)
     if kind in PER_TOKEN_KINDS:

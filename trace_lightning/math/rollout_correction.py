@@ -31,7 +31,7 @@ pi_rollout``; they are detached: they change the measure, not the objective)::
 sum runs over the policy tokens of its root-to-leaf path.
 
 Pairs, not tokens: in a packed tree a shared token stands for one (leaf, token) pair per leaf
-through it (``trace_lightning.training.tree_packing``). Token-level weights are the same for
+through it (``trace_lightning.packing.trees``). Token-level weights are the same for
 every pair of a token (one context, one ratio); sequence-level ones differ per leaf, so the
 weights are computed per pair and folded into the loss's per-token sums
 (``fold_pair_weights``): a token's ``adv_pos`` becomes ``sum_l w_l max(A_l, 0)`` over its

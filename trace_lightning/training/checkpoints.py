@@ -1,4 +1,8 @@
-"""Checks of a Lightning checkpoint before a run loads it, and which checkpoints are intact.
+"""Reading a Lightning checkpoint, and checking it before a run loads it: which are intact.
+
+``checkpoint_meta`` reads a checkpoint's contents without its tensors and ``read_checkpoint``
+its module state and hyper-parameters (a file, or a sharded FSDP folder), each naming what
+is wrong with a path that is no checkpoint (the export and the CLI read through them).
 
 ``check_checkpoint`` runs in the DataModule's setup, before the engine starts (Lightning
 loads the checkpoint only after it, and would fail there, or not at all: a damaged optimizer
@@ -30,6 +34,7 @@ from __future__ import annotations
 import math
 import struct
 import textwrap
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,8 +261,6 @@ def load_problem(path: Path) -> str | None:
     """Why ``path`` does not load as a Lightning checkpoint (a file or a sharded folder),
     or None: it loads (memory-mapped: its tensors are not read). A link to a deleted
     checkpoint, a file cut short by a stop during its save, one that is no checkpoint."""
-    from trace_lightning.training.export import checkpoint_meta
-
     if not path.exists():
         return f"links to {path.readlink()}, which was deleted" if path.is_symlink() \
             else "it was deleted"
@@ -268,3 +271,84 @@ def load_problem(path: Path) -> str | None:
         return "it does not load: " + textwrap.shorten(f"{type(cause).__name__}: {cause}",
                                                       width=120, placeholder=" ...")
     return None
+
+
+# ---- reading a checkpoint ------------------------------------------------------------
+def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The module state dict and the hyper-parameters of a Lightning checkpoint: a file, or a
+    sharded FSDP directory (``meta.pt`` + ``*.distcp``), read on this process alone."""
+    path = Path(ckpt)
+    data = checkpoint_meta(path)
+    if path.is_file():
+        data = _torch_load(path)  # the tensors too
+        return data["state_dict"], data.get("hyper_parameters", {})
+    return _read_sharded_model(path), data.get("hyper_parameters", {})
+
+
+def checkpoint_meta(ckpt: str | Path) -> dict:
+    """A Lightning checkpoint's contents without reading its tensors (a file memory-mapped;
+    a sharded directory's ``meta.pt``: loops, epoch, ``hyper_parameters``). What is not a
+    checkpoint Lightning wrote is a ValueError naming the path and what to give instead."""
+    path = Path(ckpt)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; runs write it under "
+                                f"<default_root_dir>/tensorboard/version_N/checkpoints/")
+    if path.is_file():
+        data = _torch_load(path, mmap=True)
+        if "state_dict" not in data:
+            raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict'); give "
+                             f"the .ckpt file or directory Lightning wrote")
+        return data
+    if (path / "config.json").exists():
+        raise ValueError(f"{path} is a Hugging Face model directory, not a Lightning "
+                         f"checkpoint: train from its weights with --model.policy_path {path} "
+                         f"(no --ckpt_path), or give the .ckpt file or directory Lightning "
+                         f"wrote")
+    meta_file = path / "meta.pt"
+    if not meta_file.exists():
+        raise ValueError(f"{path} is a directory without meta.pt: not a sharded Lightning "
+                         f"checkpoint; give the .ckpt file or directory Lightning wrote")
+    return _torch_load(meta_file)
+
+
+def _torch_load(path: Path, mmap: bool = False) -> dict:
+    """``torch.load`` of a checkpoint file (``mmap``: its tensors mapped, not read); one that
+    does not load, or holds no dict, is a ValueError naming the file (torch's own errors
+    name neither it nor the fix)."""
+    try:
+        # a trace-lightning checkpoint holds the DataModule's numpy RNG state, which
+        # weights_only loading refuses: load only checkpoints you wrote yourself
+        data = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as e:  # unpickling garbage raises nearly anything: ValueError,
+        # UnpicklingError, EOFError, AttributeError; a cut-off zip a RuntimeError
+        raise ValueError(f"{path} does not load as a checkpoint ({reason(e)}); it is damaged, "
+                         f"cut short (an interrupted save or copy) or not a checkpoint: give "
+                         f"the .ckpt file or directory Lightning wrote") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a Lightning checkpoint; "
+                         f"give the .ckpt file or directory Lightning wrote")
+    return data
+
+
+def reason(e: BaseException) -> str:
+    """A library's exception on one short line, for our own message."""
+    return textwrap.shorten(f"{type(e).__name__}: {e}", width=120, placeholder=" ...")
+
+
+def _read_sharded_model(path: Path) -> dict[str, torch.Tensor]:
+    """The ``model`` entry of a distributed (DCP) checkpoint, without its optimizer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    entries = reader.read_metadata().state_dict_metadata
+    model = {k[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
+             for k, md in entries.items()
+             if k.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    if not model:
+        raise ValueError(f"{path}: no model weights in this distributed checkpoint")
+    state = {"model": model}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state["model"]

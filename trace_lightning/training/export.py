@@ -43,8 +43,6 @@ import json
 import logging
 import shutil
 import tempfile
-import textwrap
-import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +51,7 @@ import torch
 from torch import nn
 
 from trace_lightning.hub import is_local_path
+from trace_lightning.training.checkpoints import read_checkpoint, reason
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -296,86 +295,6 @@ def _load_exactly(model: nn.Module, state: dict[str, torch.Tensor], policy_path)
         model.tie_weights()  # one tensor again where a checkpoint stored two copies
 
 
-def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The module state dict and the hyper-parameters of a Lightning checkpoint: a file, or a
-    sharded FSDP directory (``meta.pt`` + ``*.distcp``), read on this process alone."""
-    path = Path(ckpt)
-    data = checkpoint_meta(path)
-    if path.is_file():
-        data = _torch_load(path)  # the tensors too
-        return data["state_dict"], data.get("hyper_parameters", {})
-    return _read_sharded_model(path), data.get("hyper_parameters", {})
-
-
-def checkpoint_meta(ckpt: str | Path) -> dict:
-    """A Lightning checkpoint's contents without reading its tensors (a file memory-mapped;
-    a sharded directory's ``meta.pt``: loops, epoch, ``hyper_parameters``). What is not a
-    checkpoint Lightning wrote is a ValueError naming the path and what to give instead."""
-    path = Path(ckpt)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; runs write it under "
-                                f"<default_root_dir>/tensorboard/version_N/checkpoints/")
-    if path.is_file():
-        data = _torch_load(path, mmap=True)
-        if "state_dict" not in data:
-            raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict'); give "
-                             f"the .ckpt file or directory Lightning wrote")
-        return data
-    if (path / "config.json").exists():
-        raise ValueError(f"{path} is a Hugging Face model directory, not a Lightning "
-                         f"checkpoint: train from its weights with --model.policy_path {path} "
-                         f"(no --ckpt_path), or give the .ckpt file or directory Lightning "
-                         f"wrote")
-    meta_file = path / "meta.pt"
-    if not meta_file.exists():
-        raise ValueError(f"{path} is a directory without meta.pt: not a sharded Lightning "
-                         f"checkpoint; give the .ckpt file or directory Lightning wrote")
-    return _torch_load(meta_file)
-
-
-def _torch_load(path: Path, mmap: bool = False) -> dict:
-    """``torch.load`` of a checkpoint file (``mmap``: its tensors mapped, not read); one that
-    does not load, or holds no dict, is a ValueError naming the file (torch's own errors
-    name neither it nor the fix)."""
-    try:
-        # a trace-lightning checkpoint holds the DataModule's numpy RNG state, which
-        # weights_only loading refuses: load only checkpoints you wrote yourself
-        data = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except Exception as e:  # unpickling garbage raises nearly anything: ValueError,
-        # UnpicklingError, EOFError, AttributeError; a cut-off zip a RuntimeError
-        raise ValueError(f"{path} does not load as a checkpoint ({_reason(e)}); it is damaged, "
-                         f"cut short (an interrupted save or copy) or not a checkpoint: give "
-                         f"the .ckpt file or directory Lightning wrote") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a {type(data).__name__}, not a Lightning checkpoint; "
-                         f"give the .ckpt file or directory Lightning wrote")
-    return data
-
-
-def _reason(e: BaseException) -> str:
-    """A library's exception on one short line, for our own message."""
-    return textwrap.shorten(f"{type(e).__name__}: {e}", width=120, placeholder=" ...")
-
-
-def _read_sharded_model(path: Path) -> dict[str, torch.Tensor]:
-    """The ``model`` entry of a distributed (DCP) checkpoint, without its optimizer state."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path))
-    entries = reader.read_metadata().state_dict_metadata
-    model = {k[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
-             for k, md in entries.items()
-             if k.startswith("model.") and isinstance(md, TensorStorageMetadata)}
-    if not model:
-        raise ValueError(f"{path}: no model weights in this distributed checkpoint")
-    state = {"model": model}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return state["model"]
-
-
 def _check_policy_path(policy_path: str, ckpt: str | Path, given: bool) -> None:
     """Fail before transformers does (its error names neither the flag nor the checkpoint)
     when ``policy_path`` is local (``is_local_path``) but not a directory, typically a
@@ -391,7 +310,7 @@ def _check_policy_path(policy_path: str, ckpt: str | Path, given: bool) -> None:
             AutoTokenizer.from_pretrained(policy_path)
             return
         except (OSError, ValueError) as e:
-            problem = f"does not load as a transformers config and tokenizer ({_reason(e)})"
+            problem = f"does not load as a transformers config and tokenizer ({reason(e)})"
     if given:
         raise FileNotFoundError(
             f"--policy-path {policy_path} {problem}; give the directory the run's policy was "

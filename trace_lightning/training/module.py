@@ -36,8 +36,8 @@ from trace_lightning.allocation.features import Featuriser, take_node_features
 from trace_lightning.allocation.predictor import (ReplayBuffer, SuccessPredictor, fit_predictor,
                                        predict_nodes, training_batch)
 from trace_lightning.tree import RolloutTree
-from trace_lightning.training.tree_attention import TREE_SDPA, attention_inputs
-from trace_lightning.training.tree_packing import WEIGHT_KEYS
+from trace_lightning.packing.attention import TREE_SDPA, attention_inputs
+from trace_lightning.packing.trees import WEIGHT_KEYS
 from trace_lightning.math.rollout_correction import RolloutIS, RolloutRS
 from trace_lightning.training.rollout_correction import RolloutCorrection, start_logprobs
 
@@ -117,12 +117,12 @@ class TraceModule(L.LightningModule):
         tree_packing: forward each tree's tokens once in the update (its leaves' shared
             prefixes are not recomputed per leaf) and its nodes' predictor features in one
             pass per tree; the objective is the per-leaf one exactly
-            (``trace_lightning.training.tree_packing``). False: one row per leaf, mini-batches of
+            (``trace_lightning.packing.trees``). False: one row per leaf, mini-batches of
             loose leaves (for comparison).
         attention: the policy's attention kernel: "auto" (with ``tree_packing`` on CUDA,
             FlexAttention with a block mask where torch and transformers offer it; else
             "sdpa"), "sdpa" (a packed tree's nodes each attend their root path in one SDPA
-            call, ``trace_lightning.training.tree_attention``; per-leaf rows plain causal SDPA) or
+            call, ``trace_lightning.packing.attention``; per-leaf rows plain causal SDPA) or
             "flex_attention".
         rollout_is: rollout correction's importance weights (verl's
             ``rollout_correction.rollout_is``): "token" or "sequence" truncated IS of
@@ -442,7 +442,7 @@ class TraceModule(L.LightningModule):
         opt = self.optimizers()
         h = self.hparams
         # the token-mean's divisor: the mini-batch's policy tokens over all ranks / ranks
-        # (packing.equalise_over_ranks); one process, or a batch without it: this rank's count
+        # (packing.leaves.equalise_over_ranks); one process, or a batch without it: this rank's count
         normalizer = float(batch.get("normalizer", batch["n_tokens"]))
         # no policy token on any rank (filler micro-batches only: a step with fewer leaves
         # than mini-batches): no update, which Adam's moments and weight decay would still make
@@ -570,11 +570,11 @@ class TraceModule(L.LightningModule):
         policy tokens (0 elsewhere: the loss reads nothing else), at the ``temperature`` the
         rollouts were sampled at (the engines' log-probs are of that distribution).
 
-        - A per-leaf micro-batch (``packing.collate``) runs without an attention mask:
+        - A per-leaf micro-batch (``packing.leaves.collate``) runs without an attention mask:
           it is right-padded and attention is causal, so a real token never attends to
           padding and its positions are unchanged, and SDPA takes its fused causal (flash)
-          kernel. A packed one (``tree_packing.collate_units``) brings position ids and the
-          tree in the form the attention takes (``tree_attention.attention_inputs``).
+          kernel. A packed one (``packing.trees.collate_units``) brings position ids and the
+          tree in the form the attention takes (``packing.attention.attention_inputs``).
         - The LM head runs only on the rows that predict a policy token (a pre-hook on the
           output embedding hands it those rows, ``prev`` of each policy token: the token
           before it on its path), so the ``(B, T, V)`` logits and their gradient are never

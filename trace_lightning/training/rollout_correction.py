@@ -14,7 +14,7 @@ The formulas are ``trace_lightning.math.rollout_correction``'s. Here:
 - **Pairs.** A sequence-level weight is per leaf, and a packed tree's shared token stands for
   one pair per leaf through it. A packed micro-batch lists its pairs (``pair_row``,
   ``pair_pos``, ``pair_leaf``, ``pair_adv``; ``collate_pairs``); a per-leaf one is a leaf per
-  row and lists none (``microbatch_pairs`` reads them off its policy tokens).
+  row and lists none (``packing.pairs.microbatch_pairs`` reads them off its policy tokens).
 """
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from trace_lightning.packing.pairs import microbatch_pairs
 from trace_lightning.math.rollout_correction import (ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS,
                                                      RolloutIS, RolloutRS, correction_weights,
                                                      fold_pair_weights, log_ratios,
                                                      mismatch_stats)
 
-PAIR_KEYS = ("pair_row", "pair_pos", "pair_leaf", "pair_adv")
 PREFIX = "rollout_correction/"
 
 
@@ -117,64 +116,13 @@ class RolloutCorrection:
             rollout_rs_threshold=self.rollout_rs_threshold,
             rollout_rs_threshold_lower=self.rollout_rs_threshold_lower,
             rollout_token_veto_threshold=self.rollout_token_veto_threshold)  # (P,)
-        from trace_lightning.training.tree_packing import WEIGHT_KEYS
+        from trace_lightning.packing.trees import WEIGHT_KEYS
 
         weights = fold_pair_weights(w, row, pos, adv, {k: mb[k] for k in WEIGHT_KEYS})
         # shares over pairs, the same pairs the mismatch counts
         stats |= {PREFIX + k: v for k, v in wstats.items()}
         old = torch.where(count > 0, start, rollout.to(start.dtype))  # (B, T)
         return old, weights, stats
-
-
-def microbatch_pairs(mb: dict) -> tuple[torch.Tensor, ...]:
-    """``(row, pos, leaf, adv)``, ``(P,)`` each: every (leaf, policy token) pair of ``mb``.
-
-    A packed micro-batch lists them (``collate_pairs``); a per-leaf one (``packing.collate``)
-    is one leaf per row: its pairs are its policy tokens, the leaf its row."""
-    if "pair_row" in mb:
-        return tuple(mb[k] for k in PAIR_KEYS)
-    if "subtree_end" in mb:  # packed: a token may stand for several leaves' pairs
-        raise ValueError("a packed micro-batch without its (leaf, token) pairs cannot be "
-                         "corrected per leaf; build it with tree_packing.tree_minibatches, "
-                         "which lists them (collate_pairs)")
-    row, pos = (mb["count"] > 0).nonzero(as_tuple=True)  # (P,) each
-    return row, pos, row, mb["advantages"][row, pos]
-
-
-def leaf_pairs(unit, tree, leaves) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(leaf, index, adv)``, ``(P,)`` each, of a ``tree_packing.TreeUnit``: for each of its
-    ``leaves`` (0-based, in order), the unit index and advantage of every policy token of its
-    root path (as ``tree_packing.leaf_weights`` sums them)."""
-    leaf, index, adv = [], [], []
-    for j, s in enumerate(leaves):
-        path = tree.path(s.leaf_id)
-        idx = np.concatenate([np.arange(*unit.spans[p.id]) for p in path])  # (L,)
-        m = np.asarray(s.policy_mask, dtype=bool)  # (L,)
-        a = np.asarray(s.token_advantages, dtype=np.float32).astype(np.float64)  # (L,)
-        index.append(idx[m])
-        adv.append(a[m])
-        leaf.append(np.full(int(m.sum()), j, dtype=np.int64))
-    cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dtype=dt))
-    return cat(leaf, np.int64), cat(index, np.int64), cat(adv, np.float64)
-
-
-def collate_pairs(units: Sequence, offsets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The pairs of ``units`` (each with ``pairs`` from ``leaf_pairs``) placed at
-    ``offsets`` ``(U, 2)`` (their row and first index, ``collate_units``' ``offsets``, in
-    the same order); leaves numbered across the micro-batch."""
-    rows, pos, leaf, adv = [], [], [], []
-    n = 0
-    for u, (b, o) in zip(units, offsets.tolist()):
-        lf, idx, a = u.pairs
-        rows.append(np.full(len(idx), b, dtype=np.int64))
-        pos.append(idx + o)
-        leaf.append(lf + n)
-        adv.append(a)
-        n += int(lf.max()) + 1 if len(lf) else 0
-    t = (lambda xs, dt: torch.from_numpy(np.concatenate(xs)) if xs
-         else torch.zeros(0, dtype=dt))
-    return {"pair_row": t(rows, torch.long), "pair_pos": t(pos, torch.long),  # (P,) each
-            "pair_leaf": t(leaf, torch.long), "pair_adv": t(adv, torch.float64)}
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ as one sequence, a tree pays for each token once. The layout (a :class:`TreeUnit
   inside that span lie exactly the tokens below ``j`` (its own node's later tokens and its
   node's descendants); a sibling subtree ends before the next one starts, so no token sees a
   sibling's. Then every token's hidden state equals the one it gets in its per-leaf sequence
-  (how the attention runs it: :mod:`trace_lightning.training.tree_attention`).
+  (how the attention runs it: :mod:`trace_lightning.packing.attention`).
 - **Prediction rows**: ``prev[i]`` is the token before ``i`` on its path (``i - 1`` inside a
   node; the parent's last token for a node's first token): its hidden state predicts token
   ``i``. Several children read the same parent row.
@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trace_lightning.training.packing import split_balanced
-from trace_lightning.training.rollout_correction import collate_pairs, leaf_pairs
+from trace_lightning.packing.leaves import split_balanced
+from trace_lightning.packing.pairs import collate_pairs, leaf_pairs
 from trace_lightning.tree import LeafSequence, RolloutTree
-from trace_lightning.training.tree_attention import node_plan
+from trace_lightning.packing.attention import node_plan
 
 WEIGHT_KEYS = ("count", "adv_pos", "adv_neg", "n_pos", "n_neg")
 
@@ -66,7 +66,7 @@ class TreeUnit:
     # feature units
     weights: dict[str, np.ndarray] | None = field(default=None)
     # its (leaf, token) pairs: (leaf, index, advantage), (P,) each, for per-leaf weights
-    # (``rollout_correction.leaf_pairs``); None for feature units
+    # (``packing.pairs.leaf_pairs``); None for feature units
     pairs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None)
 
     def __len__(self) -> int:

@@ -131,7 +131,7 @@ def tree_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if tree_nodes is None:
         if attention_mask is not None and attention_mask.numel() == 0:
             raise ValueError("a tree_sdpa forward got the tree's mask placeholder without its "
-                             "node plan; pass both (tree_attention.attention_inputs)")
+                             "node plan; pass both (packing.attention.attention_inputs)")
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     plan = tree_nodes  # the mask: attention_mask is the placeholder (or None), never read

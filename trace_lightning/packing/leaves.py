@@ -5,7 +5,7 @@
   far: per-mini-batch token totals differ by at most the longest sequence
   (:func:`split_balanced`, which splits whole trees the same way for tree packing).
 - :func:`leaf_minibatches`: one pass over a step's leaves as mini-batches of micro-batches
-  (``tree_packing.tree_minibatches`` is its packed-tree counterpart).
+  (``packing.trees.tree_minibatches`` is its packed-tree counterpart).
 - :func:`pack_microbatches` groups one mini-batch into micro-batches whose padded size
   ``n_seqs * longest`` stays within ``max_tokens``, longest first, so sequences of similar
   length share a micro-batch and padding stays small. A sequence longer than ``max_tokens``
@@ -129,7 +129,7 @@ def collate(seqs: Sequence[LeafSequence], pad_id: int,
         ``prev`` (B, T) long (the row whose hidden state predicts each token: ``t - 1``) and
         the (leaf, token) weights of ``loss.weighted_policy_loss`` (one pair per policy
         token: ``loss.token_weights``), the same keys a packed tree's micro-batch has
-        (``tree_packing.collate_units``).
+        (``packing.trees.collate_units``).
     """
     if not seqs:
         raise ValueError("collate got no sequences; pack_microbatches never yields an empty batch")
