@@ -22,6 +22,10 @@ RSS before. The JSON line also goes to ``--out`` (default docs/results/retrieval
 
     python benchmarks/retrieval.py --clients 64 --duration-s 20   # ~40 s with the start
 
+``--server-from DIR`` runs the server from another checkout of this repository (e.g. ``git
+worktree add /tmp/before HEAD~1``), so two servers are compared under the same load; the line
+records whose code served (``server_from``, and ``server_commit`` in every line).
+
 ``--quick`` (a test runs it): recall over the first 50 questions per dataset, or with
 ``--clients`` at most 3 s of load; its line goes to ``--out`` only.
 
@@ -134,16 +138,32 @@ def listen_overflows() -> int:
     return int(dict(zip(lines[0], lines[1]))["ListenOverflows"])
 
 
-def start_server(corpus: Path, cache_dir: str | None,
-                 log_path: Path) -> tuple[subprocess.Popen, str, int]:
-    """``trace-lightning-retriever`` on a free loopback port -> (process, host:port, passages),
-    once its log says it serves."""
-    command = [sys.executable, "-m", "trace_lightning.tasks.search_qa.retrieval.server", "--corpus",
-               str(corpus), "--host", "127.0.0.1", "--port", "0"]
+def checkout_commit(folder: Path) -> str:
+    """``git describe --always --dirty`` of the checkout at ``folder`` ("unknown" without
+    git)."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                              capture_output=True, text=True, check=True,
+                              cwd=folder).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def start_server(corpus: Path, cache_dir: str | None, log_path: Path,
+                 checkout: Path | None = None) -> tuple[subprocess.Popen, str, int]:
+    """``trace-lightning-retriever`` on a free loopback port, from ``checkout`` (None: this
+    one) -> (process, host:port, passages), once its log says it serves."""
+    command = [sys.executable, "-m", "trace_lightning.tasks.search_qa.retrieval.server",
+               "--corpus", str(corpus), "--host", "127.0.0.1", "--port", "0"]
     if cache_dir is not None:
         command += ["--cache-dir", cache_dir]
+    env = None
+    if checkout is not None:  # its package first on the path
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(checkout.resolve())] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   cwd=checkout)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         found = re.search(r"serving (\d+) passages of .* at http://(127\.0\.0\.1:\d+)/retrieve",
@@ -248,7 +268,7 @@ def load_main(args: argparse.Namespace) -> dict:
                           "topk": args.topk}).encode() for i in range(0, len(questions), n)]
     with tempfile.TemporaryDirectory() as tmp:
         process, address, passages = start_server(args.data / corpus_file, args.cache_dir,
-                                                  Path(tmp) / "server.log")
+                                                  Path(tmp) / "server.log", args.server_from)
         try:
             for i in range(2 * args.clients):  # warm-up: lazy imports, first allocations
                 one_request(address, bodies[i % len(bodies)], n)
@@ -281,7 +301,9 @@ def load_main(args: argparse.Namespace) -> dict:
                           "peak": round(max(peak, idle_before), 1),
                           "idle_after": round(idle_after, 1)},
         "listen_overflows_machine": overflows,
-        "load_average_1m_before": round(load_average, 2), "cpus": os.cpu_count()}
+        "load_average_1m_before": round(load_average, 2), "cpus": os.cpu_count(),
+        "server_commit": checkout_commit(args.server_from or REPO),
+        **({"server_from": str(args.server_from)} if args.server_from else {})}
     result["targets_met"] = {
         "no_errors": result["errors"] == 0,
         "p99_at_most_10x_p50": bool(p50) and p99 <= 10 * p50,
@@ -318,6 +340,9 @@ def main(argv: list[str] | None = None) -> dict:
                       help="whose corpus is served and whose dev questions are asked")
     load.add_argument("--queries-per-request", type=int, default=1)
     load.add_argument("--topk", type=int, default=3)
+    load.add_argument("--server-from", type=Path, default=None,
+                      help="run the server from this checkout of the repository (default: "
+                           "this one), e.g. a worktree of an older commit to compare")
     parser.add_argument("--quick", action="store_true",
                         help="recall: the first 50 questions per dataset (unless --limit); "
                              "load: at most 3 s; nothing written unless --out")
@@ -334,6 +359,9 @@ def main(argv: list[str] | None = None) -> dict:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} ({value}) must be >= 1")
+    if args.server_from is not None and not (args.server_from / "trace_lightning").is_dir():
+        parser.error(f"--server-from ({args.server_from}) holds no trace_lightning/; give a "
+                     f"checkout of this repository")
     if not 0 < args.duration_s <= 600:
         parser.error(f"--duration-s ({args.duration_s}) must be in (0, 600]")
 

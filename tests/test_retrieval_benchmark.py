@@ -53,12 +53,14 @@ def test_full_modes_publish_to_their_files(bench, monkeypatch):
     assert outs == [bench.RECALL_OUT, bench.OUT, None, None]
 
 
-def test_quick_load_answers_every_request(shared_data, tmp_path):
+@pytest.mark.parametrize("server_from", [None, REPO])
+def test_quick_load_answers_every_request(shared_data, tmp_path, server_from):
     # in a process of its own: the clients are forked, and this one may hold threads
     out = tmp_path / "load.json"
+    flags = [] if server_from is None else ["--server-from", str(server_from)]
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--clients", "2",
                            "--data", str(shared_data), "--dataset", "2wikimultihopqa",
-                           "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
+                           "--cache-dir", str(tmp_path / "cache"), "--out", str(out), *flags],
                           cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,3 +73,6 @@ def test_quick_load_answers_every_request(shared_data, tmp_path):
     assert line["targets_met"]["no_errors"]
     assert line["server_rss_mb"]["peak"] >= line["server_rss_mb"]["idle_before"] > 0
     assert len(line["machine"]["load_before"]) == 3
+    # whose code served: this checkout's, named when --server-from picks one
+    assert line["server_commit"] == line["commit"]
+    assert line.get("server_from") == (None if server_from is None else str(server_from))

@@ -1,4 +1,4 @@
-"""A retrieval service speaking the Search-R1 API, on the standard library's HTTP server.
+"""A retrieval service speaking the Search-R1 API, on FastAPI and uvicorn.
 
 ``POST /retrieve`` with ``{"queries": [...], "topk": k, "return_scores": true}`` answers
 ``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}``; with
@@ -8,23 +8,21 @@ to true (Search-R1's defaults). ``GET /health`` answers ``{"status": "ok", "docu
 "max_queries": q, "max_query_chars": c, "topk_max": k, "max_body_bytes": b,
 "max_response_bytes": r}``: clients fit their batches to it.
 
-Refusals carry a JSON body ``{"error": "..."}`` that names the limit and its flag: 400 for a
-body that is not JSON or has a wrong field (a ``topk`` that is not an integer in range: a
-float, a bool, an integer of 5,000 digits), 411/400 for a missing or malformed
-Content-Length, 413 for a request over a size limit (body bytes, number of queries, query
-length) or whose answer would pass ``--max-response-bytes`` (the answer is encoded hit by
-hit and dropped as soon as it would, so no request holds more than that), 404 for an unknown
-path, 503 when ``--max-connections`` connections are open already, 500 if retrieval itself
-fails. The server keeps serving after any of them.
+Refusals carry a JSON body ``{"error": "..."}`` naming the limit and its flag: 400 for a
+body that is not JSON or has a wrong field, 411 without a Content-Length, 413 for a request
+over a size limit (body bytes, number of queries, query length) or whose answer would pass
+``--max-response-bytes`` (encoded hit by hit, dropped as soon as it would), 404 for an
+unknown path, 405 for a wrong method, 503 on a connection beyond ``--max-connections``, 500
+if retrieval itself fails. HTTP that does not parse gets uvicorn's 400 (text). The server
+keeps serving after any of them.
 
-Connections (:class:`RetrievalServer`): the kernel queues up to ``--backlog`` of them before
-they are accepted; an accepted one waits in a selector, costing a file descriptor and no
-thread, until its request's first bytes arrive (closed if none come within
-``--idle-timeout-s``); then one of ``--workers`` threads reads the request, answers it and
-closes the connection (HTTP/1.0: one request per connection). So the server runs
-``--workers`` + 2 threads however many clients connect, and a worker waits at most
-``--idle-timeout-s`` for each read of a stalled request. docs/retrieval_server.md says what
-a client can rely on.
+Serving: ``--event-loops`` uvicorn servers (httptools, uvloop where installed) share the
+listening socket, each on a thread of its own; they accept connections (the kernel queues
+``--backlog``), read requests and answer them, and a connection costs a file descriptor, no
+thread. A request's parsing, search and encoding run in a pool of ``--workers`` threads, so
+the loops stay free for the other connections. A connection silent for ``--idle-timeout-s``
+while the server waits for its bytes (before a request, midway through one, or between
+kept-alive ones) is closed without an answer. docs/retrieval_server.md has the details.
 
 Run it with ``trace-lightning-retriever --corpus PATH --port 8000``. It checks its flags and
 binds the port before building the index (a wiki-18 index takes a while), and listens only once
@@ -34,20 +32,23 @@ the index is ready: until then connections are refused, which clients retry.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import math
-import queue
 import resource
-import selectors
 import socket
 import threading
-import time
-from collections import OrderedDict
-from collections.abc import Sized
+from collections.abc import Callable, Sized
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import NoReturn
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from trace_lightning.tasks.search_qa.retrieval import Passage, Retriever
 from trace_lightning.tasks.search_qa.retrieval.bm25 import BM25Retriever, default_cache_dir
@@ -55,6 +56,7 @@ from trace_lightning.tasks.search_qa.retrieval.bm25 import BM25Retriever, defaul
 log = logging.getLogger(__name__)
 
 SPARE_FILES = 64  # file descriptors kept beside --max-connections (the index, logs, libraries)
+SHUTDOWN_GRACE_S = 5.0  # on shutdown, answers under way get this long to finish
 _SHAPE = "{\"queries\": [str, ...], \"topk\": int}"
 
 
@@ -70,13 +72,16 @@ class Limits:
         max_body_bytes: largest request body, in bytes.
         max_response_bytes: largest answer, in bytes; a request whose answer would be larger
             is refused with 413 (ask fewer queries per request or a smaller topk).
-        workers: threads that read, search and answer requests (one connection each).
+        workers: threads that parse, search and encode requests (a connection holds none).
+        event_loops: threads each running an event loop (uvicorn) that accepts connections
+            and answers their requests; several keep up on cores shared with busy processes.
         backlog: connections the kernel queues before the server accepts them (capped by
             the system's net.core.somaxconn).
-        max_connections: most connections open at once, answering or waiting for their
-            request; more are answered 503 at once.
-        idle_timeout_s: seconds a connection may stay silent, before its request or while
-            sending it, before it is closed.
+        max_connections: most connections open at once; a request on a connection beyond
+            them is answered 503.
+        idle_timeout_s: seconds a connection may stay silent while the server waits for its
+            bytes (before its request, while sending it, or between requests) before it is
+            closed.
     """
 
     max_queries: int = 512
@@ -84,7 +89,8 @@ class Limits:
     topk_max: int = 100
     max_body_bytes: int = 8 << 20
     max_response_bytes: int = 8 << 20
-    workers: int = 32
+    workers: int = 4
+    event_loops: int = 4
     backlog: int = 1024
     max_connections: int = 512
     idle_timeout_s: float = 60.0
@@ -190,229 +196,193 @@ def encode_results(results: list[list[Passage]], return_scores: bool, topk: int,
     return pieces
 
 
-def make_handler(retriever: Retriever, limits: Limits,
-                 n_documents: int | None) -> type[BaseHTTPRequestHandler]:
-    """A request handler class bound to one retriever and its limits."""
-
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "trace-lightning-retriever"
-        # seconds each read may wait: a client that promised a body and sent less holds its
-        # worker this long, not forever
-        timeout = limits.idle_timeout_s
-        disable_nagle_algorithm = True  # headers and body leave at once, not after an ACK
-
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            if self.path.rstrip("/") == "/health":
-                self._send(200, {"status": "ok", "documents": n_documents,
-                                 **limits.advertised()})
-            else:
-                self._send(404, {"error": f"unknown path {self.path!r}; use POST /retrieve or "
-                                          f"GET /health"})
-
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path.rstrip("/") != "/retrieve":
-                self._send(404, {"error": f"unknown path {self.path!r}; use POST /retrieve"})
-                return
-            try:
-                queries, topk, return_scores = parse_retrieve_request(self._read_body(), limits)
-            except RequestError as e:
-                self._send(e.status, {"error": str(e)})
-                return
-            try:
-                results = retriever.search(queries, topk) if queries else []
-            except Exception as e:  # keep serving; the client sees a 500 and may retry
-                log.exception("retrieval failed")
-                self._send(500, {"error": f"retrieval failed: {type(e).__name__}: {e}"})
-                return
-            try:
-                pieces = encode_results(results, return_scores, topk, limits.max_response_bytes)
-            except RequestError as e:
-                self._send(e.status, {"error": str(e)})
-                return
-            self._send_pieces(200, pieces)
-
-        def _read_body(self) -> bytes:
-            length = self.headers.get("Content-Length")
-            if length is None:
-                raise RequestError(411, "Content-Length header missing; send the body's length")
-            # isdigit alone takes "²", which int() refuses
-            if not (length.isascii() and length.isdigit()):
-                raise RequestError(400, f"Content-Length header invalid ({length[:50]!r}); "
-                                        f"send the body's length in bytes")
-            if len(length) > 18 or int(length) > limits.max_body_bytes:
-                # the body stays unread, so this connection cannot be reused
-                self.close_connection = True
-                raise RequestError(413, f"body of {length[:50]} bytes; this server takes at "
-                                        f"most {limits.max_body_bytes} (--max-body-bytes)")
-            return self.rfile.read(int(length))
-
-        def _send(self, status: int, payload: dict) -> None:
-            self._send_pieces(status, [json.dumps(payload).encode()])
-
-        def _send_pieces(self, status: int, pieces: list[bytes]) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(sum(len(p) for p in pieces)))
-            self.end_headers()
-            for piece in pieces:  # no joined copy: an answer is held once
-                self.wfile.write(piece)
-
-        def log_message(self, format: str, *args) -> None:  # noqa: A002
-            log.debug("%s %s", self.address_string(), format % args)
-
-    return Handler
+def json_response(status: int, payload: object, close: bool = False) -> Response:
+    """``payload`` as JSON with ``status``; ``close`` ends the connection after the answer."""
+    return Response(json.dumps(payload).encode(), status, media_type="application/json",
+                    headers={"Connection": "close"} if close else None)
 
 
-class RetrievalServer(HTTPServer):
-    """An HTTP server with a listen backlog, a waiting room and a fixed pool of workers.
+def answer(retriever: Retriever, limits: Limits, body: bytes) -> tuple[int, bytes]:
+    """A ``/retrieve`` body -> (status, JSON answer): one request's work, run in a worker."""
+    try:
+        queries, topk, return_scores = parse_retrieve_request(body, limits)
+        try:
+            results = retriever.search(queries, topk) if queries else []
+        except Exception as e:  # keep serving; the client sees a 500 and may retry
+            log.exception("retrieval failed")
+            return 500, json.dumps({"error": f"retrieval failed: {type(e).__name__}: "
+                                             f"{e}"}).encode()
+        return 200, b"".join(encode_results(results, return_scores, topk,
+                                            limits.max_response_bytes))
+    except RequestError as e:
+        return e.status, json.dumps({"error": str(e)}).encode()
 
-    ``serve_forever`` accepts connections and hands them to the waiting room, one thread
-    that holds them in a selector until their first bytes arrive (or closes them after
-    ``idle_timeout_s``), then queues them for the ``workers`` threads. Connections over
-    ``max_connections`` are answered 503 at once. :func:`listen` starts the threads;
-    ``server_close`` stops them.
+
+def make_app(retriever: Retriever, limits: Limits, pool: ThreadPoolExecutor,
+             open_connections: Callable[[], int]) -> FastAPI:
+    """The Search-R1 API over ``retriever``: requests are checked against ``limits`` and
+    answered in ``pool``; ``open_connections()`` counts the server's open connections."""
+    n_documents = len(retriever) if isinstance(retriever, Sized) else None
+    app = FastAPI(title="trace-lightning-retriever", openapi_url=None, docs_url=None,
+                  redoc_url=None, redirect_slashes=False)
+
+    def full() -> Response | None:
+        """503 when this request's connection is one over ``--max-connections``."""
+        if open_connections() <= limits.max_connections:
+            return None
+        return json_response(503, {"error": f"{limits.max_connections} connections are open, "
+                                            f"the most this server takes (--max-connections): "
+                                            f"retry later, or raise the server's "
+                                            f"--max-connections"}, close=True)
+
+    async def health() -> Response:
+        return full() or json_response(200, {"status": "ok", "documents": n_documents,
+                                             **limits.advertised()})
+
+    async def retrieve(request: Request) -> Response:
+        if refusal := full():
+            return refusal
+        length = request.headers.get("content-length")
+        if length is None:
+            return json_response(411, {"error": "Content-Length header missing; send the "
+                                                "body's length"})
+        if int(length) > limits.max_body_bytes:  # digits: the HTTP parser refuses others
+            # the body stays unread, so the connection is closed after the answer
+            return json_response(413, {"error": f"body of {length[:50]} bytes; this server "
+                                                f"takes at most {limits.max_body_bytes} "
+                                                f"(--max-body-bytes)"}, close=True)
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # gone, or closed for --idle-timeout-s: no one to answer
+            return Response(status_code=400)
+        status, content = await asyncio.get_running_loop().run_in_executor(
+            pool, answer, retriever, limits, body)
+        return Response(content, status, media_type="application/json")
+
+    for path in ("/health", "/health/"):
+        app.add_api_route(path, health, methods=["GET"])
+    for path in ("/retrieve", "/retrieve/"):
+        app.add_api_route(path, retrieve, methods=["POST"])
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, e: HTTPException) -> Response:
+        """404 (unknown path) and 405 (wrong method) with the JSON error body."""
+        path = request.url.path
+        message = {404: f"unknown path {path!r}; use POST /retrieve or GET /health",
+                   405: f"{request.method} {path!r} is not served; use POST /retrieve or "
+                        f"GET /health"}.get(e.status_code, str(e.detail))
+        return Response(json.dumps({"error": message}).encode(), e.status_code,
+                        headers=e.headers, media_type="application/json")
+
+    return app
+
+
+class IdleTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, closing a connection silent for ``timeout_keep_alive``
+    seconds whenever the server waits for its bytes: uvicorn times only the wait between two
+    requests on a kept-alive connection, this also the wait before the first request and
+    within one (headers or body sent in part), so a client that stalls is closed unanswered.
     """
 
-    def __init__(self, address: tuple[str, int], limits: Limits):
-        self.limits = limits
-        self.request_queue_size = limits.backlog  # socketserver's listen() backlog
-        super().__init__(address, BaseHTTPRequestHandler, bind_and_activate=False)
-        self._arrivals: queue.SimpleQueue = queue.SimpleQueue()  # accepted, for the room
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # with bytes, for the workers
-        self._wake_read, self._wake_write = socket.socketpair()
-        self._open, self._open_lock = 0, threading.Lock()
-        self._started = False
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._time_silence()
 
-    def server_activate(self) -> None:
-        super().server_activate()
-        self._started = True
-        threading.Thread(target=self._waiting_room, name="retriever-waiting-room",
-                         daemon=True).start()
-        for i in range(self.limits.workers):
-            threading.Thread(target=self._work, name=f"retriever-worker-{i}",
-                             daemon=True).start()
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # stops the timer
+        self._time_silence()
 
-    def process_request(self, request: socket.socket, client_address: tuple) -> None:
-        with self._open_lock:
-            full = self._open >= self.limits.max_connections
-            if not full:
-                self._open += 1
-        if full:
-            self._refuse(request)
-            return
-        try:  # most clients send at once: their request is here already, or they closed
-            request.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:  # nothing yet: the waiting room holds it
-            self._arrivals.put((request, client_address))
-            self._wake_write.send(b"\0")
-            return
-        except OSError:
-            pass  # reset: a worker finds out and closes it
-        self._ready.put((request, client_address))
+    def _time_silence(self) -> None:
+        cycle = self.cycle  # the request read or answered last; None before the first
+        if self.transport.is_closing() or (
+                cycle is not None and not cycle.response_complete and not cycle.more_body):
+            return  # the whole request is in: the server is answering it
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)
+
+
+class RetrievalServer:
+    """A socket bound to the server's address and, once :func:`listen` has run, the event
+    loops that serve it (uvicorn servers sharing the socket) and the search threads.
+
+    ``serve_forever`` runs the loops, one in the calling thread and the others in threads of
+    their own, until ``shutdown`` (called from another thread, or a signal when it runs in
+    the main thread); ``server_close`` releases the port and the search threads.
+    """
+
+    def __init__(self, sock: socket.socket, limits: Limits):
+        self.socket, self.limits = sock, limits
+        self.server_address: tuple[str, int] = sock.getsockname()[:2]
+        self.loops: list[uvicorn.Server] = []
+        self.pool: ThreadPoolExecutor | None = None
+        self.serving, self._stopped = False, threading.Event()
+
+    def open_connections(self) -> int:
+        return sum(len(loop.server_state.connections) for loop in self.loops)
+
+    def serve_forever(self) -> None:
+        if not self.loops:
+            raise RuntimeError("listen(server, retriever) first")
+        self.serving = True
+        # each loop closes its socket when it stops: each gets a copy of the listening one
+        threads = [threading.Thread(target=loop.run, kwargs={"sockets": [self.socket.dup()]},
+                                    name=f"retriever-loop-{i}", daemon=True)
+                   for i, loop in enumerate(self.loops[1:], 1)]
+        for thread in threads:
+            thread.start()
+        try:
+            self.loops[0].run(sockets=[self.socket.dup()])
+        finally:
+            for loop in self.loops:
+                loop.should_exit = True
+            for thread in threads:
+                thread.join()
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop ``serve_forever`` and wait for it (answers under way get SHUTDOWN_GRACE_S)."""
+        for loop in self.loops:
+            loop.should_exit = True
+        if self.serving:
+            self._stopped.wait()
 
     def server_close(self) -> None:
-        super().server_close()
-        if not self._started:  # bound, never listening: no thread to stop
-            self._wake_read.close()
-            self._wake_write.close()
-            return
-        self._arrivals.put(None)  # the waiting room closes what it holds, stops the workers
-        try:
-            self._wake_write.send(b"\0")
-        except OSError:
-            pass  # closed twice
-
-    def _refuse(self, request: socket.socket) -> None:
-        """503 to a connection over ``max_connections``, without reading its request."""
-        body = json.dumps({"error": f"{self.limits.max_connections} connections are open, the "
-                                    f"most this server takes (--max-connections): retry "
-                                    f"later, or raise the server's --max-connections"}).encode()
-        try:
-            request.settimeout(1.0)
-            request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: "
-                            b"application/json\r\nContent-Length: %d\r\n\r\n%s"
-                            % (len(body), body))
-        except OSError:
-            pass  # the client left first
-        self.shutdown_request(request)
-
-    def _release(self, request: socket.socket) -> None:
-        self.shutdown_request(request)
-        with self._open_lock:
-            self._open -= 1
-
-    def _waiting_room(self) -> None:
-        """Hold accepted connections until they are readable, then queue them for a worker;
-        close those silent for ``idle_timeout_s``. Ends at ``server_close``."""
-        selector = selectors.DefaultSelector()
-        selector.register(self._wake_read, selectors.EVENT_READ)
-        waiting: OrderedDict[socket.socket, float] = OrderedDict()  # deadlines, in order
-        try:
-            while True:
-                timeout = (max(0.0, next(iter(waiting.values())) - time.monotonic())
-                           if waiting else None)
-                for key, _ in selector.select(timeout):
-                    if key.fileobj is not self._wake_read:
-                        selector.unregister(key.fileobj)
-                        del waiting[key.fileobj]
-                        self._ready.put((key.fileobj, key.data))
-                        continue
-                    self._wake_read.recv(4096)
-                    while not self._arrivals.empty():
-                        arrival = self._arrivals.get()
-                        if arrival is None:
-                            return
-                        request, address = arrival
-                        selector.register(request, selectors.EVENT_READ, address)
-                        waiting[request] = time.monotonic() + self.limits.idle_timeout_s
-                now = time.monotonic()
-                while waiting and next(iter(waiting.values())) <= now:
-                    request, _ = waiting.popitem(last=False)
-                    selector.unregister(request)
-                    self._release(request)
-        finally:
-            for request in waiting:
-                self._release(request)
-            for _ in range(self.limits.workers):  # after every connection queued for them
-                self._ready.put(None)
-            selector.close()
-            self._wake_read.close()
-            self._wake_write.close()
-
-    def _work(self) -> None:
-        """Answer queued connections, one request each, until ``server_close``."""
-        while (item := self._ready.get()) is not None:
-            request, address = item
-            try:
-                self.finish_request(request, address)
-            except OSError as e:  # the client left mid-answer
-                log.info("connection from %s ended early: %s", address[0], e)
-            except Exception:
-                log.exception("request from %s failed", address[0])
-            finally:
-                self._release(request)
+        self.socket.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def bind(host: str, port: int, limits: Limits) -> RetrievalServer:
     """A server bound to ``host:port`` but not yet listening (connections are refused, so
-    clients retry) and without a handler: :func:`listen` gives it both. OSError if a server
+    clients retry) and without a retriever: :func:`listen` gives it both. OSError if a server
     listens on the port already. Binding does not reserve it: with ``SO_REUSEADDR`` (set, so
     a restart reuses the port at once) another socket may still bind it and listen first,
     and then :func:`listen` raises."""
-    server = RetrievalServer((host, port), limits)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        server.server_bind()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
     except BaseException:
-        server.server_close()
+        sock.close()
         raise
-    return server
+    return RetrievalServer(sock, limits)
 
 
 def listen(server: RetrievalServer, retriever: Retriever) -> None:
-    """Give a :func:`bind` server its retriever, start listening and start its threads."""
-    n_documents = len(retriever) if isinstance(retriever, Sized) else None
-    server.RequestHandlerClass = make_handler(retriever, server.limits, n_documents)
-    server.server_activate()
+    """Start listening on a :func:`bind` server's socket (connections queue in the backlog
+    until ``serve_forever`` accepts them) and build its app, search threads and loops."""
+    limits = server.limits
+    server.socket.listen(limits.backlog)
+    server.pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="retriever-worker")
+    config = uvicorn.Config(
+        make_app(retriever, limits, server.pool, server.open_connections),
+        http=IdleTimeoutProtocol, ws="none", lifespan="off", log_config=None, access_log=False,
+        proxy_headers=False, backlog=limits.backlog,
+        timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  (a float works)
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,  # type: ignore[arg-type]
+        log_level="warning")  # ours says when it serves; uvicorn's warnings stay
+    server.loops = [uvicorn.Server(config) for _ in range(limits.event_loops)]
 
 
 def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000,
@@ -431,8 +401,9 @@ def serve_in_thread(retriever: Retriever, host: str = "127.0.0.1", port: int = 0
     Stop it with ``server.shutdown(); server.server_close()``.
     """
     server = make_server(retriever, host, port, **limits)
+    server.serving = True  # before the thread runs: shutdown() waits for it from now on
     threading.Thread(target=server.serve_forever, name="retriever-server", daemon=True).start()
-    bound_host, bound_port = server.server_address[:2]
+    bound_host, bound_port = server.server_address
     return server, f"http://{bound_host}:{bound_port}"
 
 
@@ -462,13 +433,16 @@ def main(argv: list[str] | None = None) -> None:
             ("max_body_bytes", int, "largest request body, in bytes"),
             ("max_response_bytes", int, "largest answer, in bytes: a request whose answer "
                                         "would be larger is refused with 413"),
-            ("workers", int, "threads that answer requests (a connection waiting for its "
-                             "request holds none)"),
+            ("workers", int, "threads that parse, search and encode requests (a "
+                             "connection holds none)"),
+            ("event_loops", int, "threads that each run an event loop accepting connections "
+                                 "and answering their requests"),
             ("backlog", int, "connections the kernel queues before they are accepted "
                              "(capped by net.core.somaxconn)"),
-            ("max_connections", int, "most connections open at once; more are answered 503"),
+            ("max_connections", int, "most connections open at once; a request on one more "
+                                     "is answered 503"),
             ("idle_timeout_s", float, "seconds a connection may stay silent before or while "
-                                      "sending its request")):
+                                      "sending its request, or between two requests")):
         limits.add_argument(flag(name), type=kind, default=getattr(Limits, name),
                             help=f"{text} (default %(default)s)")
     args = parser.parse_args(argv)
@@ -505,11 +479,13 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); another server "
              f"started on that port while the index was built (it is cached now, so a restart "
              f"is quick): pick another with --port, or stop the other one")
-    host, port = server.server_address[:2]
-    log.info("serving %d passages of %s at http://%s:%d/retrieve (index %s, %s; %d workers, "
-             "backlog %d, at most %d connections)", len(retriever), args.corpus, host, port,
-             retriever.index_dir, "loaded from cache" if retriever.loaded_from_cache else "built",
-             server_limits.workers, server_limits.backlog, server_limits.max_connections)
+    host, port = server.server_address
+    log.info("serving %d passages of %s at http://%s:%d/retrieve (index %s, %s; %d event "
+             "loops, %d workers, backlog %d, at most %d connections)", len(retriever),
+             args.corpus, host, port, retriever.index_dir,
+             "loaded from cache" if retriever.loaded_from_cache else "built",
+             server_limits.event_loops, server_limits.workers, server_limits.backlog,
+             server_limits.max_connections)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
