@@ -33,9 +33,9 @@ rather than a posterior, is GRESO's skipping of prompts whose recent groups had 
 ``rest`` is a floor on breadth: a prompt rolled out at step t_k rests through step
 t_k + rest (``Node.resting`` on its root), and the root solver leaves resting prompts closed
 while the other candidates can take its budget. Beliefs make the solver re-open the prompts
-whose history says they are mixed, step after step; on the demo world that narrowed training
-to a third of GRPO's prompts and cost accuracy (docs/results.md, A wider choice of prompts).
-With ``rest`` r a prompt is opened at most once in r + 1 steps.
+whose history says they are mixed, step after step, which can narrow training to a few
+prompts (docs/results_log.md, "Where allocation pays"). With ``rest`` r a prompt is
+opened at most once in r + 1 steps.
 """
 
 from __future__ import annotations

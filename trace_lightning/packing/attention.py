@@ -5,11 +5,11 @@ Three ways to run it, chosen by the policy's ``attn_implementation`` (``--model.
 
 - ``tree_sdpa`` (registered here with transformers' ``AttentionInterface``; the default off
   CUDA): each node's queries attend the keys of its own root path, gathered; nodes of
-  similar path lengths share one batched SDPA call. The work is what the tree needs: a dense mask over a packed row would pay
-  for every (query, key) pair of the row, ``T^2``, where the per-leaf update pays ``L^2 / 2``
-  per leaf with causal kernels (a tree of 1,600 tokens over leaves of 400: 4x the attention
-  of its leaves, not less). A micro-batch without a tree plan (per-leaf rows) runs plain SDPA,
-  unchanged.
+  similar path lengths share one batched SDPA call. The work is what the tree needs: a dense
+  mask over a packed row would pay for every (query, key) pair of the row, ``T^2``, where the
+  per-leaf update pays ``L^2 / 2`` per leaf with causal kernels, so a wide tree would cost
+  more attention than its leaves. A micro-batch without a tree plan (per-leaf rows) runs
+  plain SDPA, unchanged.
 - ``flex_attention`` (the default on CUDA with tree packing): FlexAttention with a block mask
   built from ``subtree_end`` block by block (``tree_block_mask``); its block sparsity skips
   the keys outside a query block's ancestors.

@@ -56,12 +56,11 @@ def exclusive(lock: Path, what: str) -> Iterator[None]:
 # each pick a code path for the CPU they find (AVX2, AVX-512, ...), and each path adds
 # floating-point numbers in its own order; numpy's paths also break ties in their own order
 # (``numpy_simd``). A build trains a policy for hundreds of steps up to a loss threshold, so
-# another order is another policy (an AVX-512 machine and an AVX2 one build two different
-# demo worlds from one config). Pinned to the AVX2 paths (every x86-64 CPU since 2013 has
-# them) on one thread, one config builds the same files on the AMD CPUs measured, AVX2 and
-# AVX-512. (MKL honours MKL_CBWR on Intel CPUs only; on AMD ones it runs a path of its own,
-# and an Intel AVX-512 CPU, pinned alike, built another demo world: docs/results.md, "One
-# world on every CPU". The manifest records the vendor.)
+# another order is another policy. Pinned to the AVX2 paths (every x86-64 CPU since 2013 has
+# them) on one thread, one config builds the same files on CPUs of one vendor. MKL honours
+# MKL_CBWR on Intel CPUs only and runs a path of its own on AMD ones, so the two vendors
+# still build different policies (docs/results.md, "One world on every CPU"); the manifest
+# records the vendor.
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
                   "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                   VARIABLE: NUMPY_AVX512}
