@@ -37,7 +37,8 @@ def test_console_lines_keep_a_bars_last_state():
 def test_progress_bar_carries_the_rl_figures():
     """The bar shows the step's reward and effective ratio and the last held-out accuracy
     (from the callbacks that compute them), and not the log folder's version."""
-    reward, accuracy, bar = RewardVariance(), QAAccuracy(), RLProgressBar()
+    # the task's metrics (search QA's), as QAAccuracy reads them at the first validation
+    reward, accuracy, bar = RewardVariance(), QAAccuracy(overall=("em", "f1")), RLProgressBar()
     trainer = Trainer(callbacks=[reward, accuracy, bar], logger=False,
                       enable_checkpointing=False, accelerator="cpu")
     assert bar.rl_figures(trainer) == {}  # nothing computed yet
