@@ -1,28 +1,19 @@
 """A retrieval service speaking the Search-R1 API, on FastAPI and uvicorn.
 
-``POST /retrieve`` with ``{"queries": [...], "topk": k, "return_scores": true}`` answers
-``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}``; with
-``"return_scores": false`` each hit is the bare document ``{"id", "contents"}``. ``contents``
-is FlashRAG's ``'"' + title + '"\\n' + text``. ``topk`` defaults to 3 and ``return_scores``
-to true (Search-R1's defaults). ``GET /health`` answers ``{"status": "ok", "documents": n,
-"max_queries": q, "max_query_chars": c, "topk_max": k, "max_body_bytes": b,
-"max_response_bytes": r}``: clients fit their batches to it.
+``POST /retrieve`` and ``GET /health`` as ``api.py`` describes them; refusals carry a JSON
+body ``{"error": "..."}`` naming the limit and its flag: 400 for a body that is not JSON or has a
+wrong field, 411 without a Content-Length, 413 for a request over a size limit or whose
+answer would pass ``--max-response-bytes``, 404 for an unknown path, 405 for a wrong method,
+503 on a connection beyond ``--max-connections``, 500 if retrieval itself fails. HTTP that
+does not parse gets uvicorn's 400 (text). The server keeps serving after any of them.
 
-Refusals carry a JSON body ``{"error": "..."}`` naming the limit and its flag: 400 for a
-body that is not JSON or has a wrong field, 411 without a Content-Length, 413 for a request
-over a size limit (body bytes, number of queries, query length) or whose answer would pass
-``--max-response-bytes`` (encoded hit by hit, dropped as soon as it would), 404 for an
-unknown path, 405 for a wrong method, 503 on a connection beyond ``--max-connections``, 500
-if retrieval itself fails. HTTP that does not parse gets uvicorn's 400 (text). The server
-keeps serving after any of them.
-
-Serving: ``--event-loops`` uvicorn servers (httptools, uvloop where installed) share the
-listening socket, each on a thread of its own; they accept connections (the kernel queues
-``--backlog``), read requests and answer them, and a connection costs a file descriptor, no
-thread. A request's parsing, search and encoding run in a pool of ``--workers`` threads, so
-the loops stay free for the other connections. A connection silent for ``--idle-timeout-s``
-while the server waits for its bytes (before a request, midway through one, or between
-kept-alive ones) is closed without an answer. docs/retrieval_server.md has the details.
+Serving: ``--workers`` threads each run an event loop, a uvicorn server (httptools, uvloop
+where installed), all on the one listening socket; a loop accepts connections and reads,
+searches and answers their requests, and a connection costs a file descriptor, no thread.
+The search runs in the loop's own thread: while it does, that loop's other connections wait
+and the other loops accept the new ones. A connection silent for ``--idle-timeout-s`` while
+the server waits for its bytes, or for it to read an answer, is closed.
+docs/retrieval_server.md has the details.
 
 Run it with ``trace-lightning-retriever --corpus PATH --port 8000``. It checks its flags and
 binds the port before building the index (a wiki-18 index takes a while), and listens only once
@@ -36,12 +27,10 @@ import asyncio
 import json
 import logging
 import math
-import resource
 import socket
 import threading
 from collections.abc import Callable, Sized
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import fields
 from typing import NoReturn
 
 import uvicorn
@@ -50,150 +39,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from trace_lightning.tasks.search_qa.retrieval import Passage, Retriever
+from trace_lightning.tasks.search_qa.retrieval import Retriever
+from trace_lightning.tasks.search_qa.retrieval.api import (Limits, RequestError, encode_results,
+                                                           flag, parse_retrieve_request)
 from trace_lightning.tasks.search_qa.retrieval.bm25 import BM25Retriever, default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SPARE_FILES = 64  # file descriptors kept beside --max-connections (the index, logs, libraries)
 SHUTDOWN_GRACE_S = 5.0  # on shutdown, answers under way get this long to finish
-_SHAPE = "{\"queries\": [str, ...], \"topk\": int}"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one server takes; each field is the ``trace-lightning-retriever`` flag of the
-    same name (``max_queries`` is ``--max-queries``).
-
-    Args:
-        max_queries: most queries in one request.
-        max_query_chars: longest query, in characters.
-        topk_max: largest topk a request may ask.
-        max_body_bytes: largest request body, in bytes.
-        max_response_bytes: largest answer, in bytes; a request whose answer would be larger
-            is refused with 413 (ask fewer queries per request or a smaller topk).
-        workers: threads that parse, search and encode requests (a connection holds none).
-        event_loops: threads each running an event loop (uvicorn) that accepts connections
-            and answers their requests; several keep up on cores shared with busy processes.
-        backlog: connections the kernel queues before the server accepts them (capped by
-            the system's net.core.somaxconn).
-        max_connections: most connections open at once; a request on a connection beyond
-            them is answered 503.
-        idle_timeout_s: seconds a connection may stay silent while the server waits for its
-            bytes (before its request, while sending it, or between requests) before it is
-            closed.
-    """
-
-    max_queries: int = 512
-    max_query_chars: int = 2000
-    topk_max: int = 100
-    max_body_bytes: int = 8 << 20
-    max_response_bytes: int = 8 << 20
-    workers: int = 4
-    event_loops: int = 4
-    backlog: int = 1024
-    max_connections: int = 512
-    idle_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type == "float" and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{flag(f.name)} ({value}) must be a finite number > 0")
-            if f.type == "int" and value < 1:
-                raise ValueError(f"{flag(f.name)} ({value}) must be >= 1")
-        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if files != resource.RLIM_INFINITY and self.max_connections + SPARE_FILES > files:
-            raise ValueError(f"--max-connections ({self.max_connections}) needs "
-                             f"{self.max_connections + SPARE_FILES} file descriptors, and this "
-                             f"process may open {files} (ulimit -n): lower --max-connections "
-                             f"to {max(files - SPARE_FILES, 1)} or raise ulimit -n")
-
-    def advertised(self) -> dict[str, int]:
-        """The limits a request must fit, announced on ``/health``."""
-        return {k: v for k, v in asdict(self).items()
-                if k in ("max_queries", "max_query_chars", "topk_max", "max_body_bytes",
-                         "max_response_bytes")}
-
-
-def flag(name: str) -> str:
-    """``max_queries`` -> ``--max-queries``."""
-    return "--" + name.replace("_", "-")
-
-
-class RequestError(Exception):
-    """A refused request: HTTP status and the message for the ``error`` field."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def parse_retrieve_request(body: bytes, limits: Limits) -> tuple[list[str], int, bool]:
-    """Validate a ``/retrieve`` body -> (queries, topk, return_scores); RequestError if bad."""
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"body is not JSON ({e}); send {_SHAPE}") from None
-    except RecursionError:  # "[[[[...": the parser gives up, the server must not
-        raise RequestError(400, f"body nests JSON arrays or objects too deeply to parse; send "
-                                f"{_SHAPE}") from None
-    except ValueError as e:  # an integer of over 4,300 digits: Python will not convert it
-        raise RequestError(400, f"body holds a number too long to read ({e}); \"topk\" is an "
-                                f"integer in [1, {limits.topk_max}]") from None
-    if not isinstance(payload, dict):
-        raise RequestError(400, f"body is a JSON {type(payload).__name__}; send an object "
-                                f"{_SHAPE}")
-    queries = payload.get("queries")
-    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-        raise RequestError(400, f"\"queries\" must be a list of strings, got "
-                                f"{json.dumps(queries)[:100]}")
-    if len(queries) > limits.max_queries:
-        raise RequestError(413, f"{len(queries)} queries in one request; this server takes at "
-                                f"most {limits.max_queries} (--max-queries): split the batch")
-    for i, query in enumerate(queries):
-        if len(query) > limits.max_query_chars:
-            raise RequestError(413, f"queries[{i}] has {len(query)} characters; this server "
-                                    f"takes at most {limits.max_query_chars} (--max-query-chars)")
-    topk = payload.get("topk", 3)
-    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= limits.topk_max:
-        raise RequestError(400, f"\"topk\" must be an integer in [1, {limits.topk_max}] "
-                                f"(--topk-max), got {json.dumps(topk)[:50]}")
-    return_scores = payload.get("return_scores", True)
-    if not isinstance(return_scores, bool):
-        raise RequestError(400, f"\"return_scores\" must be true or false, got "
-                                f"{json.dumps(return_scores)[:50]}")
-    return queries, topk, return_scores
-
-
-def encode_results(results: list[list[Passage]], return_scores: bool, topk: int,
-                   max_bytes: int) -> list[bytes]:
-    """The ``/retrieve`` answer as JSON, one piece per query, never more than ``max_bytes``
-    of it: RequestError(413) as soon as the answer would pass that.
-
-    ``b"".join(pieces)`` is ``{"result": [[hit, ...], ...]}`` with json.dumps's separators,
-    and ``size`` counts its bytes so far, the closing ``]}`` included.
-    """
-    pieces, size = [b'{"result": ['], len(b'{"result": [' b"]}")
-    for i, hits in enumerate(results):
-        size += len(b", " if i else b"") + len(b"[]")
-        items = []
-        for p in hits:
-            doc = {"id": p.id, "contents": p.contents}
-            items.append(json.dumps({"document": doc, "score": p.score} if return_scores
-                                    else doc).encode())
-            size += len(items[-1]) + (len(b", ") if len(items) > 1 else 0)
-            if size > max_bytes:
-                break
-        if size > max_bytes:
-            raise RequestError(413, f"the answer to {len(results)} queries with topk {topk} is "
-                                    f"over {max_bytes} bytes, the most this server sends "
-                                    f"(--max-response-bytes): send fewer queries per request "
-                                    f"or a smaller topk, or raise the server's "
-                                    f"--max-response-bytes")
-        pieces.append((b", [" if i else b"[") + b", ".join(items) + b"]")
-    pieces.append(b"]}")
-    return pieces
 
 
 def json_response(status: int, payload: object, close: bool = False) -> Response:
@@ -203,7 +56,7 @@ def json_response(status: int, payload: object, close: bool = False) -> Response
 
 
 def answer(retriever: Retriever, limits: Limits, body: bytes) -> tuple[int, bytes]:
-    """A ``/retrieve`` body -> (status, JSON answer): one request's work, run in a worker."""
+    """A ``/retrieve`` body -> (status, JSON answer): parsed, searched and encoded."""
     try:
         queries, topk, return_scores = parse_retrieve_request(body, limits)
         try:
@@ -218,10 +71,15 @@ def answer(retriever: Retriever, limits: Limits, body: bytes) -> tuple[int, byte
         return e.status, json.dumps({"error": str(e)}).encode()
 
 
-def make_app(retriever: Retriever, limits: Limits, pool: ThreadPoolExecutor,
+def make_app(retriever: Retriever, limits: Limits,
              open_connections: Callable[[], int]) -> FastAPI:
-    """The Search-R1 API over ``retriever``: requests are checked against ``limits`` and
-    answered in ``pool``; ``open_connections()`` counts the server's open connections."""
+    """The Search-R1 API over ``retriever``, its requests checked against ``limits``;
+    ``open_connections()`` counts the server's open connections.
+
+    The routes take the raw request (``add_route``, no dependency injection or pydantic
+    model): the body is checked by :func:`parse_retrieve_request`, whose 400 and 413 answers
+    name the limit and its flag, where a model would answer 422.
+    """
     n_documents = len(retriever) if isinstance(retriever, Sized) else None
     app = FastAPI(title="trace-lightning-retriever", openapi_url=None, docs_url=None,
                   redoc_url=None, redirect_slashes=False)
@@ -235,7 +93,7 @@ def make_app(retriever: Retriever, limits: Limits, pool: ThreadPoolExecutor,
                                             f"retry later, or raise the server's "
                                             f"--max-connections"}, close=True)
 
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         return full() or json_response(200, {"status": "ok", "documents": n_documents,
                                              **limits.advertised()})
 
@@ -255,14 +113,15 @@ def make_app(retriever: Retriever, limits: Limits, pool: ThreadPoolExecutor,
             body = await request.body()
         except ClientDisconnect:  # gone, or closed for --idle-timeout-s: no one to answer
             return Response(status_code=400)
-        status, content = await asyncio.get_running_loop().run_in_executor(
-            pool, answer, retriever, limits, body)
+        # in this loop's thread: the loop is a worker, and the other loops serve meanwhile;
+        # a thread pool would cross threads twice a request and queue behind the GIL
+        status, content = answer(retriever, limits, body)
         return Response(content, status, media_type="application/json")
 
     for path in ("/health", "/health/"):
-        app.add_api_route(path, health, methods=["GET"])
+        app.add_route(path, health, methods=["GET"])
     for path in ("/retrieve", "/retrieve/"):
-        app.add_api_route(path, retrieve, methods=["POST"])
+        app.add_route(path, retrieve, methods=["POST"])
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, e: HTTPException) -> Response:
@@ -282,6 +141,8 @@ class IdleTimeoutProtocol(HttpToolsProtocol):
     seconds whenever the server waits for its bytes: uvicorn times only the wait between two
     requests on a kept-alive connection, this also the wait before the first request and
     within one (headers or body sent in part), so a client that stalls is closed unanswered.
+    An answer the client stops reading is dropped after as long without progress, so it
+    holds no memory past that.
     """
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -301,24 +162,37 @@ class IdleTimeoutProtocol(HttpToolsProtocol):
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                             self.timeout_keep_alive_handler)
 
+    def pause_writing(self) -> None:  # the answer fills the buffer: the client must read it
+        super().pause_writing()
+        self.loop.call_later(self.timeout_keep_alive, self._check_reading,
+                             self.transport.get_write_buffer_size())
+
+    def _check_reading(self, unsent: int) -> None:
+        if not self.flow.write_paused:  # sent, or the connection is gone
+            return
+        if self.transport.get_write_buffer_size() >= unsent:  # not a byte read meanwhile
+            self.transport.abort()  # close() would wait for the buffer to be sent
+            return
+        self.loop.call_later(self.timeout_keep_alive, self._check_reading,
+                             self.transport.get_write_buffer_size())
+
 
 class RetrievalServer:
     """A socket bound to the server's address and, once :func:`listen` has run, the event
-    loops that serve it (uvicorn servers sharing the socket) and the search threads.
+    loops that serve it: ``--workers`` uvicorn servers sharing the socket.
 
-    ``serve_forever`` runs the loops, one in the calling thread and the others in threads of
+    ``serve_forever`` runs them, one in the calling thread and the others in threads of
     their own, until ``shutdown`` (called from another thread, or a signal when it runs in
-    the main thread); ``server_close`` releases the port and the search threads.
+    the main thread); ``server_close`` releases the port.
     """
 
     def __init__(self, sock: socket.socket, limits: Limits):
         self.socket, self.limits = sock, limits
         self.server_address: tuple[str, int] = sock.getsockname()[:2]
         self.loops: list[uvicorn.Server] = []
-        self.pool: ThreadPoolExecutor | None = None
         self.serving, self._stopped = False, threading.Event()
 
-    def open_connections(self) -> int:
+    def open_connections(self) -> int:  # over all loops
         return sum(len(loop.server_state.connections) for loop in self.loops)
 
     def serve_forever(self) -> None:
@@ -327,7 +201,7 @@ class RetrievalServer:
         self.serving = True
         # each loop closes its socket when it stops: each gets a copy of the listening one
         threads = [threading.Thread(target=loop.run, kwargs={"sockets": [self.socket.dup()]},
-                                    name=f"retriever-loop-{i}", daemon=True)
+                                    name=f"retriever-worker-{i}", daemon=True)
                    for i, loop in enumerate(self.loops[1:], 1)]
         for thread in threads:
             thread.start()
@@ -349,8 +223,6 @@ class RetrievalServer:
 
     def server_close(self) -> None:
         self.socket.close()
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def bind(host: str, port: int, limits: Limits) -> RetrievalServer:
@@ -371,18 +243,17 @@ def bind(host: str, port: int, limits: Limits) -> RetrievalServer:
 
 def listen(server: RetrievalServer, retriever: Retriever) -> None:
     """Start listening on a :func:`bind` server's socket (connections queue in the backlog
-    until ``serve_forever`` accepts them) and build its app, search threads and loops."""
+    until ``serve_forever`` accepts them) and build its app and its event loops."""
     limits = server.limits
     server.socket.listen(limits.backlog)
-    server.pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="retriever-worker")
     config = uvicorn.Config(
-        make_app(retriever, limits, server.pool, server.open_connections),
+        make_app(retriever, limits, server.open_connections),
         http=IdleTimeoutProtocol, ws="none", lifespan="off", log_config=None, access_log=False,
         proxy_headers=False, backlog=limits.backlog,
         timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  (a float works)
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,  # type: ignore[arg-type]
         log_level="warning")  # ours says when it serves; uvicorn's warnings stay
-    server.loops = [uvicorn.Server(config) for _ in range(limits.event_loops)]
+    server.loops = [uvicorn.Server(config) for _ in range(limits.workers)]
 
 
 def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000,
@@ -433,10 +304,9 @@ def main(argv: list[str] | None = None) -> None:
             ("max_body_bytes", int, "largest request body, in bytes"),
             ("max_response_bytes", int, "largest answer, in bytes: a request whose answer "
                                         "would be larger is refused with 413"),
-            ("workers", int, "threads that parse, search and encode requests (a "
-                             "connection holds none)"),
-            ("event_loops", int, "threads that each run an event loop accepting connections "
-                                 "and answering their requests"),
+            ("workers", int, "threads, each an event loop that accepts connections and "
+                             "reads, searches and answers their requests (a connection "
+                             "waiting for its request holds none)"),
             ("backlog", int, "connections the kernel queues before they are accepted "
                              "(capped by net.core.somaxconn)"),
             ("max_connections", int, "most connections open at once; a request on one more "
@@ -480,12 +350,10 @@ def main(argv: list[str] | None = None) -> None:
              f"started on that port while the index was built (it is cached now, so a restart "
              f"is quick): pick another with --port, or stop the other one")
     host, port = server.server_address
-    log.info("serving %d passages of %s at http://%s:%d/retrieve (index %s, %s; %d event "
-             "loops, %d workers, backlog %d, at most %d connections)", len(retriever),
-             args.corpus, host, port, retriever.index_dir,
-             "loaded from cache" if retriever.loaded_from_cache else "built",
-             server_limits.event_loops, server_limits.workers, server_limits.backlog,
-             server_limits.max_connections)
+    log.info("serving %d passages of %s at http://%s:%d/retrieve (index %s, %s; %d workers, "
+             "backlog %d, at most %d connections)", len(retriever), args.corpus, host, port,
+             retriever.index_dir, "loaded from cache" if retriever.loaded_from_cache else "built",
+             server_limits.workers, server_limits.backlog, server_limits.max_connections)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
