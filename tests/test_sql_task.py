@@ -408,6 +408,10 @@ def test_prepare_builds_once_and_setup_reads_the_sets(tmp_path):
     with pytest.raises(ValueError, match="one validation set"):
         data.environment(env.tokenizer, "other")
 
+    (out / "db" / "sql_heldout-shop-0.sqlite").unlink()
+    with pytest.raises(FileNotFoundError, match=r"names 1 database\(s\) that do not exist"):
+        data.setup(fitting=False, train_limit=None, processes=1, prompts_needed=0)
+
     SqlData(**{**kwargs, "seed": 5}).prepare(str(out / "model"), fitting=True)  # rebuilt
     assert json.loads((out / "manifest.json").read_text())["settings"]["seed"] == 5
     assert not list(tmp_path.glob("sql/model.*"))  # no staging or set-aside folder left

@@ -105,10 +105,10 @@ class SqlData(TaskData):
                  max_turns: int = 4, max_seq_tokens: int = 512,
                  instruction: str = SQL_INSTRUCTION, use_chat_template: bool = False,
                  continuation: Literal["fork", "replay"] = "fork",
-                 max_query_steps: int = 500_000, show_rows: int = 5, vocab_size: int = 1024,
-                 model: dict | None = None, model_seed: int = 0, warm_start_steps: int = 1500,
+                 max_query_steps: int = 500_000, show_rows: int = 5, vocab_size: int = 800,
+                 model: dict | None = None, model_seed: int = 0, warm_start_steps: int = 2500,
                  warm_start_batch: int = 8, warm_start_lr: float = 3e-3,
-                 warm_start_noise: float = 0.0, warm_start_stop_loss: float | None = None,
+                 warm_start_noise: float = 0.25, warm_start_stop_loss: float | None = None,
                  warm_start_threads: int | None = 1):
         self.out_dir = Path(out_dir)
         self.seed, self.eval_seed, self.warm_seed = seed, eval_seed, warm_seed
@@ -270,7 +270,15 @@ class SqlData(TaskData):
                                     f"written by prepare (the DataModule's prepare_data); run "
                                     f"it, or check {_FLAG}.out_dir")
         records = (json.loads(line) for _, line in jsonl_lines(path))
-        return [self.example(Question.from_record(r), name) for r in records][:limit]
+        examples = [self.example(Question.from_record(r), name) for r in records][:limit]
+        missing = sorted(db for db in {e.extras["db"] for e in examples}
+                         if not Path(db).is_file())
+        if missing:
+            raise FileNotFoundError(f"{path} names {len(missing)} database(s) that do not "
+                                    f"exist, e.g. {missing[0]}: the databases are written by "
+                                    f"prepare with the questions; delete {self.manifest_path} "
+                                    f"and run again to rebuild, or check {_FLAG}.out_dir")
+        return examples
 
     def environment(self, tokenizer, val_set: str | None = None) -> SqlTask:
         """The task every set rolls out with (each example names its own database)."""
