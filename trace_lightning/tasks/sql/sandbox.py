@@ -74,6 +74,10 @@ _FIRST_WORD = re.compile(r"[A-Za-z_]+")
 _TEMP_DDL = {sqlite3.SQLITE_CREATE_TEMP_TABLE, sqlite3.SQLITE_CREATE_TEMP_VIEW,
              sqlite3.SQLITE_DROP_TEMP_TABLE, sqlite3.SQLITE_DROP_TEMP_VIEW,
              sqlite3.SQLITE_CREATE_TEMP_INDEX, sqlite3.SQLITE_DROP_TEMP_INDEX}
+# The same in the temp schema named as such (``CREATE TABLE temp.t``, ``DROP VIEW temp.v``).
+_TEMP_BY_NAME = {sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_CREATE_VIEW,
+                 sqlite3.SQLITE_DROP_TABLE, sqlite3.SQLITE_DROP_VIEW,
+                 sqlite3.SQLITE_CREATE_INDEX, sqlite3.SQLITE_DROP_INDEX, sqlite3.SQLITE_REINDEX}
 _WRITES = {sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE}
 _REFUSED = {
     sqlite3.SQLITE_PRAGMA: "PRAGMA is not allowed",
@@ -114,7 +118,7 @@ class Limits:
         temp_pages: 1 KiB pages of the session's temporary tables.
     """
 
-    max_steps: int = 2_000_000
+    max_steps: int = 500_000
     max_seconds: float = 5.0
     max_fetch: int = 1000
     show_rows: int = 5
@@ -178,14 +182,14 @@ class SqlSession:
             if (arg2 or "").lower() in FUNCTIONS:
                 return ok
             return self._deny(f"the function {arg2}() is not allowed")
-        if self._read_only and (action in _TEMP_DDL or action in _WRITES):
+        if self._read_only and (action in _TEMP_DDL or action in _WRITES
+                                or action in _TEMP_BY_NAME):
             return self._deny("the answer must be a query (SELECT), not a statement that "
                               "changes the session")
         if action in _TEMP_DDL:
             return ok
-        if db_name == "temp" and (action == sqlite3.SQLITE_REINDEX or (
-                action == sqlite3.SQLITE_CREATE_TABLE and arg1 == "sqlite_sequence")):
-            return ok  # a new temp index filled; AUTOINCREMENT's counter table
+        if db_name == "temp" and action in _TEMP_BY_NAME:
+            return ok  # CREATE TABLE temp.t, a new temp index filled, AUTOINCREMENT's counter
         if action in _WRITES:
             if db_name == "temp":
                 return ok
