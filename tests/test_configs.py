@@ -56,6 +56,11 @@ def test_config_builds_its_module_and_datamodule(config):
 
         assert isinstance(task, CalcData) and task.metric == "correct"
         assert built.model.hparams.policy_path == str(task.model_dir)
+    elif config.name == "sql.yaml":  # the SQL agent, its own policy under its out_dir
+        from trace_lightning.tasks.sql import SqlData
+
+        assert isinstance(task, SqlData) and task.metric == "exec_match"
+        assert built.model.hparams.policy_path == str(task.model_dir)
     else:  # search QA: the demo world, except on real data
         assert (task.demo is None) == (config.name == "hotpotqa_qwen3.yaml")
     assert built.trainer.checkpoint_callback is not None
