@@ -33,8 +33,8 @@ def test_load_real_2wiki_dev_and_nq_with_limit(shared_data):
         "Who was born earlier, Silas Hardy or Lee Mantle?", ["Lee Mantle"], "2wikimultihopqa")
     nq = load_qa(shared_data / "nq" / "test_1k.jsonl", limit=10)
     assert len(nq) == 10 and nq[0].id == "nq_test_3283" and nq[0].answers == ["Jesus Christ"]
-    assert nq[0].supporting_titles == [] and load_qa(shared_data / "nq" / "test_1k.jsonl",
-                                                     limit=0) == []
+    assert nq[0].extras.get("supporting_titles", []) == []
+    assert load_qa(shared_data / "nq" / "test_1k.jsonl", limit=0) == []
 
 
 def test_flashrag_form(tmp_path):
@@ -51,7 +51,8 @@ def test_flashrag_form(tmp_path):
     ])
     a, b, c = load_qa(path)
     assert a == Example("test_0", "Who wrote Hamlet?", ["Shakespeare", "William Shakespeare"],
-                          "musique", ["Hamlet"])  # dataset from the folder; titles de-duplicated
+                          "musique", {"supporting_titles": ["Hamlet"]})
+    # the dataset from the folder; the titles de-duplicated
     assert (b.id, b.answers) == ("1", ["8"])  # numbers become strings, blank aliases dropped
     assert c.dataset == "strategyqa"  # the record's own field wins
     assert [e.dataset for e in load_qa(path, dataset="mq")] == ["mq", "mq", "strategyqa"]
@@ -102,7 +103,8 @@ def test_an_empty_file_says_it_is_empty(tmp_path, content):
     shown = "0 bytes" if not content else "only blank lines"
     with pytest.raises(ValueError, match=rf"QA file .*train\.jsonl is empty \({shown}\): it has "
                                          rf"no question to load; point the flag that names it "
-                                         rf"\(--data\.train, or a set's path in --data\.val\)"):
+                                         rf"\(--data\.task\.init_args\.train, or a set's path in "
+                                         rf"--data\.task\.init_args\.val\)"):
         load_qa(path)
     with pytest.raises(ValueError, match="is empty"):
         load_qa(path, limit=5)

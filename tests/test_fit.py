@@ -734,8 +734,8 @@ def test_nan_reward_stops_the_step_without_a_checkpoint(demo_dir, tmp_path, monk
 
     original = environment.SearchEnvironment.score
 
-    def nan_score(self, final, answers):  # a reward function gone wrong
-        reward, metrics = original(self, final, answers)
+    def nan_score(self, final, example, state=None):  # a reward function gone wrong
+        reward, metrics = original(self, final, example, state)
         return float("nan"), metrics
 
     monkeypatch.setattr(environment.SearchEnvironment, "score", nan_score)

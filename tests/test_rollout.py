@@ -548,7 +548,8 @@ def test_prompt_without_room_for_a_turn_is_a_clear_error(retriever, tokenizer, e
     AgentLoop(None, make_env(tokenizer, retriever, max_seq_tokens=length + 1),
               SAMPLING).new_tree(examples[0])  # one token of room: fine
     with pytest.raises(ValueError, match=rf"is {length} tokens, at or over "
-                                         rf"--data.task.init_args.env.max_seq_tokens \({length}\)"):
+                                         rf"the task's max_seq_tokens \({length}, a setting of "
+                                         rf"--data\.task\.init_args\)"):
         AgentLoop(None, make_env(tokenizer, retriever, max_seq_tokens=length),
                   SAMPLING).new_tree(examples[0])
 
