@@ -62,7 +62,8 @@ def test_config_builds_its_module_and_datamodule(config):
         assert isinstance(task, SqlData) and task.metric == "exec_match"
         assert built.model.hparams.policy_path == str(task.model_dir)
     else:  # search QA: the demo world, except on real data
-        assert (task.demo is None) == (config.name == "hotpotqa_qwen3.yaml")
+        assert (task.demo is None) == (config.name in ("hotpotqa_qwen3.yaml",
+                                                         "your_data_cpu.yaml"))
     assert built.trainer.checkpoint_callback is not None
 
 
@@ -299,3 +300,35 @@ def test_shipped_checkpointing_survives_a_crash(name, tmp_path):
     ends.clear()
     fit(every + 2, str(tmp_path / "last.ckpt"))
     assert ends == [every, every + 1]
+
+
+def test_your_data_config_is_its_own_and_its_lengths_fit(monkeypatch):
+    """configs/your_data_cpu.yaml (docs/your_data.md) builds offline (nothing downloaded
+    before fit), logs to a folder no other config writes, and its lengths are consistent:
+    the engine's context holds a full trajectory plus one more turn, a micro-batch holds a
+    full trajectory; its one validation set is the user's dev file."""
+    import yaml
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    built = cli(["--config", str(REPO / "configs" / "your_data_cpu.yaml")], run=False)
+    dm, trainer, model = built.datamodule, built.trainer, built.model
+    assert model.hparams.policy_path == "Qwen/Qwen3-0.6B" and model.hparams.lr <= 1e-5
+    assert model.policy is None  # built, not loaded: no download happened
+    assert trainer.default_root_dir == "runs/your_data"
+    assert trainer.logger.save_dir == "runs/your_data"
+    for other in CONFIGS:
+        if other.name == "your_data_cpu.yaml":
+            continue
+        trainer_cfg = yaml.safe_load(other.read_text()).get("trainer", {})
+        folders = {trainer_cfg.get("default_root_dir"),
+                   trainer_cfg.get("logger", {}).get("init_args", {}).get("save_dir")}
+        assert "runs/your_data" not in folders, f"{other.name} logs to runs/your_data too"
+    seq, turn = dm.task.max_seq_tokens, dm.sampling.max_tokens
+    assert dm.engine_cfg.max_model_len >= seq + turn
+    assert dm.max_tokens_per_microbatch >= seq
+    assert dm.task.env_cfg.instruction is None and dm.task.env_cfg.use_chat_template
+    assert [(v.name, v.path) for v in dm.task.val_sets] == [("mine", "data/mine/dev.jsonl")]
+    assert (dm.task.train_path, dm.task.corpus) == ("data/mine/train.jsonl",
+                                                   "data/mine/corpus.jsonl")
+    leaves = dm.allocator.root_budget * (1 + dm.allocator.continuations)
+    assert leaves <= 64, f"{leaves} leaves per step: size it for a CPU"
