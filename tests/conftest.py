@@ -1,4 +1,6 @@
-"""Shared fixtures: the real QA data beside the checkout, and hermetic tiny models."""
+"""Shared fixtures: the real QA data beside the checkout, the small demo world, the tiny
+policy's weights, and the environment every test leaves as it found it. Builders (plain
+functions) are in ``builders``; fixtures of one folder's tests in that folder's conftest.py."""
 
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ def demo_dir(tmp_path_factory) -> Path:
     from builders import small_demo
 
     return small_demo(tmp_path_factory.mktemp("demo") / "world")
+
+
+@pytest.fixture(scope="module")
+def model_state():
+    """The tiny random-weight Qwen3's state dict, of ``builders.trees.HAND_VOCAB`` tokens (the
+    hand-built trees' ids): ``builders.models.policy`` loads it (float64 by default)."""
+    from builders.models import tiny_qwen3_state
+    from builders.trees import HAND_VOCAB
+
+    return tiny_qwen3_state(HAND_VOCAB)
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from callbacks import QAAccuracy, RewardVariance, RLProgressBar
-from test_fit import demo_args
+from builders import demo_args
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_LINE = re.compile(r"\b(INFO|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d \[")  # vLLM's log format

@@ -17,28 +17,12 @@ from trace_lightning.training.export import export_checkpoint, policy_state
 from trace_lightning.training.export import main as export_main
 from trace_lightning.tree import read_jsonl
 
+from trace_lightning.tasks.search_qa.environment import SEARCH_R1_INSTRUCTION as SEARCH_R1
+from builders import REPO, demo_args, search_datamodule
+from builders.packing import assert_packed_equals_per_leaf
+from builders.models import in_float64
+
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
-from trace_lightning.tasks.search_qa.environment import SEARCH_R1_INSTRUCTION as SEARCH_R1  # noqa: E402
-
-from builders import SMALL_DEMO, SMALL_DEMO_WARM_START_STEPS, search_datamodule  # noqa: E402
-
-
-def demo_args(demo_dir: Path, root: Path, epochs: int, *extra: str) -> list[str]:
-    return [
-        "--config", str(REPO / "configs" / "demo.yaml"),
-        f"--trainer.max_epochs={epochs}", f"--trainer.default_root_dir={root}",
-        f"--trainer.logger.init_args.save_dir={root}",
-        f"--model.policy_path={demo_dir / 'model'}",
-        f"--data.task.init_args.demo.out_dir={demo_dir}",
-        f"--data.task.init_args.demo.warm_start_steps={SMALL_DEMO_WARM_START_STEPS}",
-        f"--data.task.init_args.demo.options={json.dumps(SMALL_DEMO)}",
-        "--data.allocator.roots=8", "--data.allocator.group_size=4",
-        "--data.allocator.cold_start_nodes=0", "--data.allocator.explore_fraction=0.25",
-        "--data.candidates_per_step=16", "--data.minibatches_per_step=2",
-        "--model.predictor_epochs=2",
-        f"--data.trees_dir={root / 'trees'}", *extra,
-    ]
 
 
 def scalars(root: Path) -> dict[str, list[float]]:
@@ -152,7 +136,6 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
         k = sum(n.policy_mask)
         assert n.policy_mask == [1] * k + [0] * (len(n.token_ids) - k)
     # on these real trees the packed update is the per-leaf one (float64), whole and split
-    from test_tree_packing import assert_packed_equals_per_leaf, in_float64
     from transformers import AutoModelForCausalLM
 
     branched = [t for t in ta + epoch0 if len(t.leaves()) > 1]
@@ -239,7 +222,7 @@ def test_validate_last_checkpoint_samples_with_its_weights(demo_dir, tmp_path):
 def test_last_checkpoint_skips_links_to_deleted_checkpoints(tmp_path):
     """``last.ckpt`` is a link (``save_last: link``): one whose checkpoint was deleted (old
     versions pruned by hand) is skipped, not a FileNotFoundError, even when it is newest.
-    (tests/test_checkpoints.py: a link a kill left dangling beside a newer checkpoint.)"""
+    (tests/training/test_checkpoints.py: a link a kill left dangling beside a newer checkpoint.)"""
     import os
     import time
     from types import SimpleNamespace

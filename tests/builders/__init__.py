@@ -1,8 +1,24 @@
-"""Builders shared by the tests: a small demo world (one per session, see conftest.py)."""
+"""Builders shared by the tests: what more than one test file builds, built one way.
+
+- here: the repository's root, the small demo world (one per session, see conftest.py) and
+  the command line of a fit on it, a benchmark as a module, the search-QA datamodule, and a
+  tiny random-weight Qwen3 with a tokenizer of its own (``tiny_policy``);
+- ``builders.trees``: rollout trees and leaf sequences built by hand;
+- ``builders.models``: the tiny random-weight Qwen3 without a tokenizer, and float64 copies;
+- ``builders.packing``: the packed and per-leaf updates of a list of trees, side by side;
+- ``builders.training``: a real Trainer over hand-built mini-batches, sampled mini-batches;
+- ``builders.steps``: the hand-built rollout step the callbacks are checked on;
+- ``builders.sql``: a small shop database.
+
+Helpers for tests that start processes are in ``launch.py``; the plain loop references the
+library is checked against are in ``references.py``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 # a small world and a short warm start: the pipeline is what is tested with it
 SMALL_DEMO = {"n_people": 60, "n_cities": 12, "n_countries": 4, "n_companies": 12,
@@ -20,13 +36,34 @@ def small_demo(out: Path) -> Path:
     return out
 
 
+def demo_args(demo_dir: Path, root: Path, epochs: int, *extra: str) -> list[str]:
+    """``trace-lightning fit``'s arguments for ``configs/demo.yaml`` on the small demo world
+    at ``demo_dir``, logging under ``root``, for ``epochs`` epochs; ``extra`` appended."""
+    import json
+
+    return [
+        "--config", str(REPO / "configs" / "demo.yaml"),
+        f"--trainer.max_epochs={epochs}", f"--trainer.default_root_dir={root}",
+        f"--trainer.logger.init_args.save_dir={root}",
+        f"--model.policy_path={demo_dir / 'model'}",
+        f"--data.task.init_args.demo.out_dir={demo_dir}",
+        f"--data.task.init_args.demo.warm_start_steps={SMALL_DEMO_WARM_START_STEPS}",
+        f"--data.task.init_args.demo.options={json.dumps(SMALL_DEMO)}",
+        "--data.allocator.roots=8", "--data.allocator.group_size=4",
+        "--data.allocator.cold_start_nodes=0", "--data.allocator.explore_fraction=0.25",
+        "--data.candidates_per_step=16", "--data.minibatches_per_step=2",
+        "--model.predictor_epochs=2",
+        f"--data.trees_dir={root / 'trees'}", *extra,
+    ]
+
+
 def load_benchmark(name: str):
     """``benchmarks/<name>.py`` as a module (its folder on ``sys.path``, for ``provenance``
     and the benchmarks it imports)."""
     import importlib.util
     import sys
 
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    folder = REPO / "benchmarks"
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")

@@ -9,186 +9,22 @@ A mask that lets a token see a sibling's tokens is caught. A tiny random-weight 
 
 from __future__ import annotations
 
-import random
-import types
-
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from trace_lightning.math.advantage import ADVANTAGE_KINDS, assign_advantages
+from trace_lightning.math.advantage import ADVANTAGE_KINDS
 from trace_lightning.allocation.features import node_features
-from trace_lightning.math.loss import weighted_policy_loss
-from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule
-from trace_lightning.packing.leaves import collate, pack_microbatches
 from trace_lightning.tree import RolloutTree
 from trace_lightning.packing.attention import TREE_SDPA, node_plan, tree_attention_mask
 from builders import search_datamodule
-from trace_lightning.packing.trees import (WEIGHT_KEYS, collate_units, layout, pack_rows,
-                                          split_ends, unique_tokens, update_units)
-
-VOCAB = 61
-
-
-def _turn(rng: random.Random, policy: int, obs: int, **fields) -> dict:
-    """A turn of ``policy`` generated tokens then ``obs`` observation tokens."""
-    ids = [rng.randrange(3, VOCAB) for _ in range(policy + obs)]
-    return dict(token_ids=ids, policy_mask=[1] * policy + [0] * obs,
-                logprobs=[-3.0 + rng.gauss(0, 0.5) for _ in range(policy)] + [0.0] * obs,
-                **fields)
-
-
-def _leaf(rng, policy: int, reward: float) -> dict:
-    return _turn(rng, policy, 0, finished=True, reward=reward)
-
-
-def hand_trees(seed: int = 0) -> list[RolloutTree]:
-    """Three trees:
-
-    ``a``: rollout 0 is three turns (root - t1 - t2 - leaf); continuations branch from t1 (one
-    ending at once) and from t2 (one going on for two turns, one ending); rollout 1 is one
-    turn. Leaves 6, with rewards mixed at every depth.
-    ``b``: one leaf (a single-leaf tree).
-    ``c``: two bare rollouts of two turns, both successes.
-    """
-    rng = random.Random(seed)
-    a = RolloutTree.new("a", "q", ["x"], [1, 2, 3, 4, 5])
-    t1 = a.add_child(0, rollout=0, **_turn(rng, 3, 2))
-    t2 = a.add_child(t1.id, **_turn(rng, 2, 3))
-    a.add_child(t2.id, **_leaf(rng, 3, 1.0))
-    a.add_child(t1.id, **_leaf(rng, 2, 0.0))  # a continuation that ends at once
-    t3 = a.add_child(t2.id, **_turn(rng, 2, 1))
-    a.add_child(t3.id, **_leaf(rng, 2, 0.0))
-    a.add_child(t2.id, **_leaf(rng, 4, 1.0))
-    a.add_child(0, rollout=1, **_leaf(rng, 4, 0.0))
-    b = RolloutTree.new("b", "q", ["x"], [2, 7, 9])
-    b.add_child(0, rollout=0, **_leaf(rng, 5, 1.0))
-    c = RolloutTree.new("c", "q", ["x"], [6, 2])
-    for j in range(2):
-        u = c.add_child(0, rollout=j, **_turn(rng, 2, 2))
-        c.add_child(u.id, **_leaf(rng, 3, 1.0))
-    for t in (a, b, c):
-        t.compute_values()
-    return [a, b, c]
-
-
-def sequences(trees, kind):
-    seqs = [s for t in trees for s in t.flatten()]
-    for s, adv in zip(seqs, assign_advantages(seqs, trees, kind)):
-        s.token_advantages = adv
-    return seqs
-
-
-def packed_micro(trees, seqs, max_tokens: int) -> list[dict]:
-    units = [u for t in trees for u in update_units(
-        t, [s for s in seqs if s.tree_id == t.tree_id], max_tokens)]
-    return [collate_units([[units[j] for j in row] for row in rows], pad_id=0)
-            for rows in pack_rows([len(u) for u in units], max_tokens)]
-
-
-def leaf_micro(seqs, max_tokens: int) -> list[dict]:
-    return [collate([seqs[i] for i in g], pad_id=0,
-                    advantages=[seqs[i].token_advantages for i in g])
-            for g in pack_microbatches(seqs, max_tokens)]
-
-
-@pytest.fixture(scope="module")
-def model_state():
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(tiny_qwen3_config(VOCAB)).state_dict()
-
-
-def _rms_norm_in_float64(self, hidden: torch.Tensor) -> torch.Tensor:
-    """Qwen3RMSNorm in the input's dtype: transformers' computes in float32 whatever the
-    input, which caps a float64 comparison at float32 precision (gradients of a shared token
-    summed before the norm's float32 backward, or after it per leaf, differ by 1e-7)."""
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def in_float64(model):
-    """``model`` in float64 throughout, its RMS norms included, in train mode."""
-    for mod in model.modules():
-        if isinstance(mod, Qwen3RMSNorm):
-            mod.forward = types.MethodType(_rms_norm_in_float64, mod)
-    return model.double().train()
-
-
-def policy(model_state, dtype=torch.float64, attention: str = TREE_SDPA):
-    """The tiny policy; ``attention`` TREE_SDPA (per node, the default off CUDA) or "sdpa"
-    (a dense 4D mask over the packed row)."""
-    m = Qwen3ForCausalLM(tiny_qwen3_config(VOCAB, attn_implementation=attention))
-    m.load_state_dict(model_state)
-    return in_float64(m) if dtype == torch.float64 else m.to(dtype).train()
-
-
-def update(model, micro: list[dict], normalizer: float, **kw):
-    """The training step's loss, statistics and gradients over ``micro`` (as
-    ``TraceModule.training_step`` sums them), without an optimizer."""
-    model.zero_grad(set_to_none=True)
-    loss_sum, sums, ratio_max = 0.0, {}, 0.0
-    for mb in micro:
-        logp, ent = TraceModule._logprobs(model, mb, with_entropy=True)
-        ref = (logp.detach() + 0.1 * mb["policy_mask"]).to(logp.dtype)  # a KL term that bites
-        loss, stats = weighted_policy_loss(logp, mb["old_logprobs"].to(logp.dtype),
-                                           {k: mb[k] for k in WEIGHT_KEYS},
-                                           normalizer=normalizer, entropy=ent, ref_logprobs=ref,
-                                           kl_coef=0.3, **kw)
-        loss.backward()
-        loss_sum += loss.item()
-        w = float(stats.pop("tokens"))
-        ratio_max = max(ratio_max, float(stats.pop("ratio_max")))
-        for k, v in stats.items():
-            sums[k] = sums.get(k, 0.0) + float(v) * w
-        sums["tokens"] = sums.get("tokens", 0.0) + w
-    stats = {k: v / sums["tokens"] for k, v in sums.items() if k != "tokens"}
-    stats |= {"tokens": sums["tokens"], "ratio_max": ratio_max}
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return loss_sum, stats, grads
-
-
-def with_old_logprobs_near(model, trees) -> None:
-    """Behaviour log-probs = the model's own plus noise, so ratios clip on both sides."""
-    rng = np.random.default_rng(0)
-    for t in trees:
-        for leaf in t.leaves():
-            ids = torch.tensor([t.prefix_ids(leaf.id)])
-            with torch.no_grad():
-                lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
-            lp = lp.gather(-1, ids[0, 1:, None])[:, 0]  # (T-1,)
-            start = 0
-            for n in t.path(leaf.id):
-                for i, m in enumerate(n.policy_mask):
-                    if m:
-                        n.logprobs[i] = float(lp[start + i - 1]) + float(rng.normal(0, 0.3))
-                start += len(n.token_ids)
-
-
-def assert_packed_equals_per_leaf(model, trees, kind: str, rtol: float,
-                                  max_tokens: int = 4096) -> dict:
-    """The packed update of ``trees`` gives the per-leaf update's loss, statistics and
-    gradients (plain and dual-clipped); returns the per-leaf statistics."""
-    for t in trees:
-        t.compute_values()
-    seqs = sequences(trees, kind)
-    pairs = float(sum(sum(s.policy_mask) for s in seqs))
-    packed = packed_micro(trees, seqs, max_tokens)
-    assert sum(float(mb["count"].sum()) for mb in packed) == pairs
-    for clip in ({}, {"dual_clip": 1.1}):
-        want_loss, want_stats, want_grads = update(model, leaf_micro(seqs, max_tokens), pairs,
-                                                   **clip)
-        loss, stats, grads = update(model, packed, pairs, **clip)
-        assert loss == pytest.approx(want_loss, rel=rtol, abs=1e-12)
-        assert stats.keys() == want_stats.keys()
-        for k in want_stats:
-            assert stats[k] == pytest.approx(want_stats[k], rel=rtol, abs=1e-12), k
-        for name, g in want_grads.items():  # relative to each gradient's scale
-            torch.testing.assert_close(grads[name], g, rtol=rtol,
-                                       atol=rtol * float(g.abs().max()), msg=name)
-    return want_stats
+from builders.models import policy
+from builders.packing import (assert_packed_equals_per_leaf, leaf_micro, packed_micro,
+                              sequences, update, with_old_logprobs_near)
+from builders.trees import hand_trees
+from trace_lightning.packing.trees import (collate_units, layout, pack_rows, split_ends,
+                                          unique_tokens, update_units)
 
 
 @pytest.mark.parametrize("kind", ADVANTAGE_KINDS)
@@ -489,7 +325,7 @@ def test_search_r1_shaped_trees_of_the_update_benchmark():
     one of its prefixes; every leaf path 1,950 tokens."""
     import importlib.util
 
-    from conftest import REPO
+    from builders import REPO
 
     spec = importlib.util.spec_from_file_location("bench_update",
                                                   REPO / "benchmarks" / "update.py")

@@ -13,7 +13,7 @@ import torch
 
 from builders import load_benchmark
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu.py"
 
 

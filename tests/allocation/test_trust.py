@@ -15,22 +15,7 @@ from trace_lightning.allocation.allocators import Allocator
 from trace_lightning.allocation.trust import Trust, continuation_rewards, outcomes, trust_weight
 from trace_lightning.math.solvers import solve_prefixes
 from trace_lightning.tree import RolloutTree
-
-
-def chain_tree(tree_id: str, rewards: list[float], turns: int = 1, root_p: float | None = None,
-               prefix_p: float | None = None) -> RolloutTree:
-    """One bare chain of ``turns`` turns per reward; non-leaf turns predicted ``prefix_p``."""
-    t = RolloutTree.new(tree_id, "q", ["a"], prompt_ids=[1, 2])
-    t.root.prediction = root_p
-    for j, r in enumerate(rewards):
-        parent = 0
-        for d in range(turns):
-            last = d == turns - 1
-            node = t.add_child(parent, rollout=j if parent == 0 else None, token_ids=[3],
-                               logprobs=[-0.1], policy_mask=[1], finished=last,
-                               reward=r if last else None, prediction=None if last else prefix_p)
-            parent = node.id
-    return t
+from builders.trees import chain_tree
 
 
 def continue_from(t: RolloutTree, node_id: int, rewards: list[float]) -> None:

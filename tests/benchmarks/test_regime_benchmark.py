@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "regime.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "regime.py"
 
 
 @pytest.fixture(scope="module")

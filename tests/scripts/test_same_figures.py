@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import same_figures  # noqa: E402
 
 

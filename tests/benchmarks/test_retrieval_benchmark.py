@@ -14,7 +14,7 @@ import pytest
 
 from builders import load_benchmark
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "retrieval.py"
 
 

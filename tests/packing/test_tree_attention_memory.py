@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import Qwen3ForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from conftest import REPO
+from builders import REPO
 from trace_lightning.math.advantage import assign_advantages
 from trace_lightning.math.loss import weighted_policy_loss
 from trace_lightning.models import tiny_qwen3_config

@@ -1,6 +1,7 @@
 """Resuming and validating from checkpoints: the predictor's float32 weights and its own
 optimizer's state (single-file and FSDP-sharded checkpoints), this run's lr and warm-up, and
-``validate --ckpt_path`` under FSDP. A real Trainer on the tiny policy of test_module."""
+``validate --ckpt_path`` under FSDP. A real Trainer on the tiny policy (``policy_dir``,
+training/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,23 +12,10 @@ import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-from test_module import _minibatch, mixed_trees, policy_dir  # noqa: F401 (a fixture)
 from trace_lightning.training.module import TraceModule
-from trace_lightning.training.strategies import CPUFSDPStrategy
-
-
-def _fit(root, module: TraceModule, epochs: int, callback: L.Callback, ckpt=None,
-         batches: int = 1, **trainer_kw) -> L.Trainer:
-    """A real Trainer, ``batches`` mini-batches an epoch, resumed from ``ckpt`` if given."""
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, default_root_dir=str(root),
-                        callbacks=[callback], **trainer_kw)
-    data = DataLoader([_minibatch(i + 1) for i in range(batches)], batch_size=None)
-    trainer.fit(module, train_dataloaders=data, ckpt_path=ckpt)
-    return trainer
+from builders.training import cpu_fsdp, fit_checkpointed
+from builders.trees import mixed_trees
 
 
 def test_resuming_under_bf16_true_restores_the_float32_predictor(policy_dir, tmp_path):
@@ -43,7 +31,7 @@ def test_resuming_under_bf16_true_restores_the_float32_predictor(policy_dir, tmp
 
     def fit(epochs, ckpt=None):
         module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)
-        return _fit(tmp_path, module, epochs, Receive(), ckpt, precision="bf16-true")
+        return fit_checkpointed(tmp_path, module, epochs, Receive(), ckpt, precision="bf16-true")
 
     ckpt = fit(1).checkpoint_callback.best_model_path
     saved = torch.load(ckpt, weights_only=False)["state_dict"]
@@ -71,23 +59,11 @@ def test_a_resumed_run_takes_its_own_lr_and_warmup_length(policy_dir, tmp_path, 
 
     def fit(epochs, warmup, lr, ckpt=None):
         module = TraceModule(policy_path=str(policy_dir), lr=lr, lr_warmup_steps=warmup)
-        return _fit(tmp_path, module, epochs, Record(), ckpt, batches=2)
+        return fit_checkpointed(tmp_path, module, epochs, Record(), ckpt, batches=2)
 
     ckpt = fit(1, warmup=3, lr=2e-4).checkpoint_callback.best_model_path
     fit(2, warmup=warmup, lr=lr, ckpt=ckpt)
     assert lrs == pytest.approx([2e-4 / 3, 2e-4 * 2 / 3, *expected])
-
-
-def _fsdp(state_dict_type: str = "full") -> CPUFSDPStrategy:
-    return CPUFSDPStrategy(auto_wrap_policy={Qwen3DecoderLayer}, state_dict_type=state_dict_type)
-
-
-@pytest.fixture
-def no_process_group():
-    """Lightning leaves its process group behind; later tests start their own."""
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -110,7 +86,8 @@ def test_resuming_under_fsdp_restores_the_predictors_own_optimizer(policy_dir, t
 
     def fit(epochs, ckpt=None):
         module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)
-        return _fit(tmp_path, module, epochs, Receive(), ckpt, strategy=_fsdp(state_dict_type))
+        return fit_checkpointed(tmp_path, module, epochs, Receive(), ckpt,
+                                strategy=cpu_fsdp(state_dict_type))
 
     ckpt = fit(1).checkpoint_callback.best_model_path
     meta = f"{ckpt}/meta.pt" if state_dict_type == "sharded" else ckpt
@@ -142,7 +119,7 @@ def test_a_checkpoint_with_the_predictors_optimizer_in_lightnings_resumes_it(pol
 
     def fit(epochs, ckpt=None):
         module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)
-        return _fit(tmp_path, module, epochs, Receive(), ckpt)
+        return fit_checkpointed(tmp_path, module, epochs, Receive(), ckpt)
 
     ckpt = fit(1).checkpoint_callback.best_model_path
     old = torch.load(ckpt, weights_only=False)
@@ -165,12 +142,12 @@ def test_validate_from_a_checkpoint_under_fsdp_and_bf16_true(policy_dir, tmp_pat
     """``validate --ckpt_path`` under FSDP with bf16-true: FSDP's strategy loads the weights
     itself (the checkpoint reaches on_load_checkpoint without "state_dict"); the validated
     predictor is the saved one, in the run's bf16."""
-    fit = _fit(tmp_path, TraceModule(policy_path=str(policy_dir), lr=1e-4), 1, L.Callback(),
-               strategy=_fsdp())
+    fit = fit_checkpointed(tmp_path, TraceModule(policy_path=str(policy_dir), lr=1e-4), 1,
+                           L.Callback(), strategy=cpu_fsdp())
     ckpt = fit.checkpoint_callback.best_model_path
     saved = torch.load(ckpt, weights_only=False)["state_dict"]
 
-    validate = L.Trainer(accelerator="cpu", devices=1, logger=False, strategy=_fsdp(),
+    validate = L.Trainer(accelerator="cpu", devices=1, logger=False, strategy=cpu_fsdp(),
                          precision="bf16-true", enable_progress_bar=False,
                          enable_model_summary=False)
     module = TraceModule(policy_path=str(policy_dir))

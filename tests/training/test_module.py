@@ -16,33 +16,13 @@ from trace_lightning.math.loss import policy_loss, token_logprobs
 from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule, compile_decoder_layers
 from trace_lightning.packing.leaves import collate
-from trace_lightning.tree import LeafSequence, RolloutTree
-
-VOCAB = 97
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(tiny_qwen3_config(VOCAB))
-    path = tmp_path_factory.mktemp("policy")
-    model.save_pretrained(path)
-    return path
+from trace_lightning.tree import RolloutTree
+from builders.training import minibatch
+from builders.trees import TINY_VOCAB, mixed_trees, random_leaf
 
 
 def load(policy_dir) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).train()
-
-
-def leaf(rng: random.Random, n: int, k: int, idx: int) -> LeafSequence:
-    """``n`` tokens, the first ``k`` prompt tokens, then policy and observation spans."""
-    mask = [0] * k + [int(i % 5 != 4) for i in range(n - k)]
-    ids = [rng.randrange(1, VOCAB) for _ in range(n)]
-    logprobs = [-4.6 + rng.gauss(0, 0.3) if m else 0.0 for m in mask]
-    reward = float(idx % 2)
-    return LeafSequence(tree_id=f"t{idx}", leaf_id=idx, rollout=0, input_ids=ids,
-                        policy_mask=mask, logprobs=logprobs, reward=reward, ancestors=[0],
-                        advantage=1.0 if reward else -1.0)
 
 
 def test_logprobs_of_right_padded_batch_equal_each_sequence_alone(policy_dir, monkeypatch):
@@ -51,7 +31,7 @@ def test_logprobs_of_right_padded_batch_equal_each_sequence_alone(policy_dir, mo
     only the rows that predict policy tokens. Attention runs as plain causal SDPA (the
     flash-eligible call: no mask tensor)."""
     rng = random.Random(0)
-    seqs = [leaf(rng, n, 3, i) for i, n in enumerate((12, 7, 4))]
+    seqs = [random_leaf(rng, n, 3, i) for i, n in enumerate((12, 7, 4))]
     mb = collate(seqs, pad_id=0)
     assert (mb["attention_mask"] == 0).any()  # padding to get wrong
     calls = []
@@ -89,7 +69,7 @@ def test_logprobs_gradients_equal_the_full_head(policy_dir):
     (the all-masked filler that keeps ranks in step) still backpropagates, with zero
     gradients."""
     rng = random.Random(4)
-    mb = collate([leaf(rng, n, 3, i) for i, n in enumerate((13, 8, 5))], pad_id=0)
+    mb = collate([random_leaf(rng, n, 3, i) for i, n in enumerate((13, 8, 5))], pad_id=0)
     up = torch.randn(mb["input_ids"].shape, generator=torch.Generator().manual_seed(1))
     grads = []
     for rows_only in (False, True):
@@ -111,30 +91,6 @@ def test_logprobs_gradients_equal_the_full_head(policy_dir):
     assert all(p.grad is not None and not p.grad.any() for p in policy.parameters())
 
 
-def mixed_trees() -> list[RolloutTree]:
-    """Six two-turn trees of two rollouts, one success and one failure each."""
-    out = []
-    for k in range(6):
-        t = RolloutTree.new(f"q{k}", "q", ["a"], [1, 2, 3 + k])
-        for j in range(2):
-            a = t.add_child(0, rollout=j, token_ids=[5, 6, 7], logprobs=[-1.0, -1.0, 0.0],
-                            policy_mask=[1, 1, 0])
-            t.add_child(a.id, token_ids=[8, 9], logprobs=[-1.0, -1.0], policy_mask=[1, 1],
-                        finished=True, reward=float((j + k) % 2))
-        t.compute_values()
-        out.append(t)
-    return out
-
-
-def _minibatch(seed: int, advantage_nan: bool = False) -> dict:
-    rng = random.Random(seed)
-    seqs = [leaf(rng, n, 3, i) for i, n in enumerate((14, 9, 11, 6))]
-    if advantage_nan:
-        seqs[2].advantage = float("nan")
-    micro = [collate(seqs[:2], pad_id=0), collate(seqs[2:], pad_id=0)]
-    return {"micro": micro, "n_tokens": float(sum(sum(s.policy_mask) for s in seqs))}
-
-
 def _fit(module: TraceModule, batches: list[dict], callbacks=(), **kw) -> L.Trainer:
     """One epoch of a real Trainer over ``batches`` (one mini-batch each)."""
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
@@ -151,7 +107,7 @@ def test_training_step_logs_minibatch_statistics(policy_dir, dual_clip):
     mini-batch's policy tokens), statistics are token-weighted means over both micro-batches,
     ratio_max is the largest over both, computed here from the initial policy; with
     --model.dual_clip the loss is the dual-clipped one."""
-    batch = _minibatch(1)
+    batch = minibatch(1)
     policy = load(policy_dir)
     loss_sum, tokens, weighted, ratio_max, entropies = 0.0, 0.0, {}, 0.0, []
     undual = 0.0
@@ -198,7 +154,7 @@ def test_the_update_recomputes_log_probs_at_the_sampling_temperature(policy_dir)
     (log_softmax(logits / 0.5)); the mini-batch says so, and the first pass's importance
     ratios are then exactly 1. Read at temperature 1 they would be far from it."""
     policy = load(policy_dir)
-    batch = _minibatch(2)
+    batch = minibatch(2)
     with torch.no_grad():
         for mb in batch["micro"]:
             mb["old_logprobs"] = TraceModule._logprobs(policy, mb, temperature=0.5)[0]
@@ -225,7 +181,7 @@ def test_kl_to_the_reference_is_zero_until_the_policy_moves(policy_dir):
             kl.append(float(trainer.callback_metrics["train/kl_ref"]))
 
     _fit(TraceModule(policy_path=str(policy_dir), lr=1e-2, kl_coef=0.1),
-         [_minibatch(1), _minibatch(3)], callbacks=[Record()])
+         [minibatch(1), minibatch(3)], callbacks=[Record()])
     assert kl[0] == 0.0 and kl[1] > 1e-6
 
 
@@ -236,7 +192,7 @@ def test_gradient_norm_is_clipped_in_true_units_under_a_loss_scaler(policy_dir):
     the clip leaves the update an unscaled, clipped step of plain SGD would."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    batch = _minibatch(4)
+    batch = minibatch(4)
 
     def run(**kw):
         module = TraceModule(policy_path=str(policy_dir), lr=1e-2, max_grad_norm=0.5)
@@ -259,7 +215,7 @@ def test_gradient_norm_is_logged_without_clipping(policy_dir):
     clipped run (measured before the clip), not NaN."""
     def first_norm(max_grad_norm):
         module = TraceModule(policy_path=str(policy_dir), lr=1e-3, max_grad_norm=max_grad_norm)
-        return float(_fit(module, [_minibatch(5)]).logged_metrics["train/grad_norm"])
+        return float(_fit(module, [minibatch(5)]).logged_metrics["train/grad_norm"])
 
     clipped, measured = first_norm(1e-3), first_norm(0.0)
     assert clipped > 1e-3 and measured == pytest.approx(clipped, rel=1e-5)
@@ -270,7 +226,7 @@ def test_a_mini_batch_without_policy_tokens_does_not_move_the_weights(policy_dir
     moments and weight decay would still move every weight, and the lr schedule advance."""
     from trace_lightning.packing.leaves import equalise_over_ranks
 
-    real = _minibatch(6)
+    real = minibatch(6)
     filler = equalise_over_ranks([real, {"micro": [], "n_tokens": 0.0}], pad_id=0)[1]
     assert filler["n_tokens"] == 0.0 and filler["micro"]  # filler micro-batches, no tokens
     snapshots, lrs = [], []
@@ -295,7 +251,7 @@ def test_a_normalizer_below_one_divides_the_loss(policy_dir):
     after the ranks' gradient mean it is the token mean, as on one process."""
     def first_loss(normalizer):
         module = TraceModule(policy_path=str(policy_dir), lr=1e-3)
-        trainer = _fit(module, [{**_minibatch(7), "normalizer": normalizer}])
+        trainer = _fit(module, [{**minibatch(7), "normalizer": normalizer}])
         return float(trainer.logged_metrics["train/loss"])
 
     assert first_loss(0.5) == pytest.approx(2 * first_loss(1.0), rel=1e-5)
@@ -323,11 +279,11 @@ def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
 
     kw = ({"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
           if precision == "16-mixed" else {"precision": precision})
-    _fit(TraceModule(policy_path=str(policy_dir), lr=1e-4), [_minibatch(1)],
+    _fit(TraceModule(policy_path=str(policy_dir), lr=1e-4), [minibatch(1)],
          callbacks=[Receive()], **kw)
     assert stats[precision]["predictor/updates"] > 0
     if precision == "16-mixed":
-        _fit(TraceModule(policy_path=str(policy_dir), lr=1e-4), [_minibatch(1)],
+        _fit(TraceModule(policy_path=str(policy_dir), lr=1e-4), [minibatch(1)],
              callbacks=[Receive()])
         assert stats[precision] == pytest.approx(stats["32-true"])
 
@@ -485,13 +441,13 @@ def test_the_policy_trains_without_dropout(tmp_path):
     """A checkpoint saved with attention dropout: in train mode its log-probs would vary
     from pass to pass (and from the sampler's) before any update; the module turns it off."""
     torch.manual_seed(0)
-    cfg = tiny_qwen3_config(VOCAB)
+    cfg = tiny_qwen3_config(TINY_VOCAB)
     cfg.attention_dropout = 0.5
     Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
     module = TraceModule(policy_path=str(tmp_path))
     module.configure_model()
     assert module.policy.training and module.policy.config.attention_dropout == 0.0
-    ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, TINY_VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     first, second = (module.policy(input_ids=ids).logits for _ in range(2))
     torch.testing.assert_close(first, second, atol=0, rtol=0)
 
@@ -499,7 +455,7 @@ def test_the_policy_trains_without_dropout(tmp_path):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
     """A NaN in one micro-batch raises a clear error and leaves every weight unchanged."""
-    batch = _minibatch(2, advantage_nan=True)
+    batch = minibatch(2, advantage_nan=True)
     module = TraceModule(policy_path=str(policy_dir), lr=1e-3)
     before = {n: p.detach().clone() for n, p in load(policy_dir).named_parameters()}
     with pytest.raises(FloatingPointError, match="step was not applied"):
@@ -513,7 +469,7 @@ def test_nan_advantage_stops_before_the_optimizer_step(policy_dir):
 def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients(policy_dir):
     """``compile_layers``: each Qwen3DecoderLayer compiled in place; forward and backward of
     a right-padded micro-batch agree with the eager model."""
-    mb = collate([leaf(random.Random(3), n, 3, i) for i, n in enumerate((10, 6))], pad_id=0)
+    mb = collate([random_leaf(random.Random(3), n, 3, i) for i, n in enumerate((10, 6))], pad_id=0)
     results = []
     for compiled in (False, True):
         policy = load(policy_dir)

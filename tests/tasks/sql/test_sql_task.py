@@ -12,7 +12,6 @@ import json
 import random
 
 import pytest
-from test_sql_sandbox import write_shop
 
 from trace_lightning.tasks.base import Example, Task, TaskData, Turn
 from trace_lightning.tasks.sql import (
@@ -40,13 +39,6 @@ from trace_lightning.tasks.sql.warm_start import (
 from trace_lightning.tasks.sql.world import Size, build_database, database_rows
 
 SCHEMA = FAMILIES["shop"].schema
-
-
-@pytest.fixture(scope="module")
-def shop(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sql") / "shop.sqlite"
-    write_shop(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -18,19 +18,18 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from trace_lightning.math.loss import weighted_policy_loss
 from trace_lightning.math.rollout_correction import (correction_weights, fold_pair_weights,
                                                      mismatch_stats)
-from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule
-from trace_lightning.packing.leaves import collate
 from trace_lightning.training.rollout_correction import RolloutCorrection
 from trace_lightning.packing.trees import WEIGHT_KEYS, tree_minibatches, update_units
-from trace_lightning.tree import LeafSequence
-from test_tree_packing import (hand_trees, leaf_micro, model_state, policy,  # noqa: F401
-                                sequences, with_old_logprobs_near)
+from builders.models import policy
+from builders.packing import leaf_micro, sequences, with_old_logprobs_near
+from builders.training import perturbed, sampled_minibatches
+from builders.trees import hand_trees
 
 # Four pairs in two leaves: leaf 0 has ratios 3 and 0.4 (product 1.2, geometric mean
 # sqrt(1.2) = 1.0954), leaf 1 has 1.2 and 1.5 (product 1.8, geometric mean sqrt(1.8) = 1.3416).
@@ -181,43 +180,6 @@ def test_packed_corrected_update_equals_the_per_leaf_one(model_state, mode):
                                    atol=1e-10 * float(g.abs().max()), msg=name)
 
 
-VOCAB = 53
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("policy")
-    Qwen3ForCausalLM(tiny_qwen3_config(VOCAB)).save_pretrained(path)
-    return path
-
-
-def sampled_minibatches(sampler, n_minibatches: int, seed: int) -> list[dict]:
-    """Leaves sampled token by token from ``sampler`` (its log-probs are the behaviour's):
-    a 4-token prompt, then 12 sampled tokens; 3 leaves per mini-batch, advantages +-1."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for b in range(n_minibatches):
-        seqs = []
-        for i in range(3):
-            ids = torch.randint(1, VOCAB, (1, 4), generator=gen)
-            lps = [0.0] * 4
-            with torch.no_grad():
-                for _ in range(12):
-                    lp = torch.log_softmax(sampler(input_ids=ids).logits[0, -1].double(), -1)
-                    tok = torch.multinomial(lp.exp(), 1, generator=gen)
-                    lps.append(float(lp[tok]))
-                    ids = torch.cat([ids, tok[None]], dim=1)
-            adv = 1.0 if (b + i) % 2 else -1.0
-            seqs.append(LeafSequence(tree_id=f"t{b}{i}", leaf_id=1, rollout=i,
-                                     input_ids=ids[0].tolist(), policy_mask=[0] * 4 + [1] * 12,
-                                     logprobs=lps, reward=float(adv > 0), ancestors=[0],
-                                     advantage=adv))
-        out.append({"micro": [collate(seqs[:2], pad_id=0), collate(seqs[2:], pad_id=0)],
-                    "n_tokens": 36.0})
-    return out
-
-
 def fit_logged(policy_dir, batches, **kw) -> list[dict]:
     """Train on ``batches`` (one RL step) and return each optimizer step's logged metrics."""
     class Keep(Logger):  # what reaches a logger, step by step
@@ -328,7 +290,7 @@ from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 from launch import leave_group
-from test_rollout_correction import perturbed, sampled_minibatches
+from builders.training import perturbed, sampled_minibatches
 from trace_lightning.training.module import TraceModule
 from trace_lightning.packing.leaves import equalise_over_ranks
 
@@ -378,16 +340,6 @@ if __name__ == "__main__":
             json.dump([keep.steps[s] for s in sorted(keep.steps)], f)
     leave_group()
 '''
-
-
-def perturbed(policy_dir, scale: float = 0.5):
-    """The policy with every weight moved by ``scale`` of its tensor's std (seeded)."""
-    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(3)
-        for p in model.parameters():
-            p.add_(scale * p.std().nan_to_num(0.02) * torch.randn(p.shape, generator=g))
-    return model
 
 
 def test_two_ranks_log_the_mismatch_over_both(policy_dir, tmp_path):

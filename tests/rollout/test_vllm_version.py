@@ -12,7 +12,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 from trace_lightning.rollout.engines import vllm_engine  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_extras_pin_the_tested_release():

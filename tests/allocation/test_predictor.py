@@ -655,7 +655,7 @@ def test_prefix_choices_split_the_bare_prefixes_by_hand(tmp_path):
 
     from trace_lightning.tree import write_jsonl
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "prefix_choices.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "prefix_choices.py"
     spec = importlib.util.spec_from_file_location("prefix_choices", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -708,7 +708,7 @@ def test_prompt_features_script_ranks_each_number_against_success_by_hand(tmp_pa
     import importlib.util
     from types import SimpleNamespace
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "prompt_features.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "prompt_features.py"
     spec = importlib.util.spec_from_file_location("prompt_features", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -2,7 +2,7 @@
 
 The RL pipeline is replaced by ``StepData``, a test double of the datamodule's monitoring
 surface (``last_step``, ``last_val_trees``, ``sync_diff``, ``timings``) that serves
-hand-built steps (tests/test_callback_stats.py) the way ``TraceDataModule`` does: the step
+hand-built steps (tests/builders/steps.py) the way ``TraceDataModule`` does: the step
 of epoch ``e`` is built inside ``train_dataloader``. Everything else is real: the Trainer's
 hook order, the logger, the event files and TensorBoard's own reader.
 """
@@ -24,23 +24,12 @@ from torch.utils.data import DataLoader
 from callbacks import (AllocationSpread, PredictorCalibration, QAAccuracy, RewardVariance,
                        Throughput, TreeSamples)
 from launch import run_ranks
-from test_callback_stats import (EXPECTED_ALLOC, EXPECTED_PREDICTOR, EXPECTED_ROLLOUT,
-                                 build_step, build_trees)
+from builders.steps import (EXPECTED_ALLOC, EXPECTED_PREDICTOR, EXPECTED_ROLLOUT, VAL_ROWS,
+                            StepData, TinyModule, build_step, build_trees)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 
-# validation rows: hotpotqa em [1, 0, 1], nq em [0, 0]
-VAL_ROWS = {
-    "hotpotqa": [dict(dataset="hotpotqa", em=1.0, f1=1.0, reward=1.0, searches=2.0,
-                      malformed=0.0),
-                 dict(dataset="hotpotqa", em=0.0, f1=0.5, reward=0.0, searches=1.0,
-                      malformed=0.0),
-                 dict(dataset="hotpotqa", em=1.0, f1=1.0, reward=1.0, searches=0.0,
-                      malformed=1.0)],
-    "nq": [dict(dataset="nq", em=0.0, f1=0.2, reward=0.0, searches=1.0, malformed=0.0),
-           dict(dataset="nq", em=0.0, f1=0.0, reward=0.0, searches=1.0, malformed=1.0)],
-}
 EXPECTED_VAL = {
     "val/hotpotqa/em": 2 / 3, "val/hotpotqa/f1": 2.5 / 3, "val/hotpotqa/reward": 2 / 3,
     "val/hotpotqa/searches": 1.0, "val/hotpotqa/malformed": 1 / 3,
@@ -55,55 +44,6 @@ EXPECTED_PERF = {
     "perf/sync_s": 0.25, "perf/sync_logprob_diff": 0.003, "perf/prefix_cache_share": 200 / 800,
     "perf/rollout_engine_calls": 7.0, "perf/sample_s": 1.5,
 }
-
-
-def collate_rows(rows: list[dict]) -> dict:
-    """As ``trace_lightning.rollout.validation.collate_rows``: tensors per field, names as a list."""
-    return {k: (torch.tensor([r[k] for r in rows]) if k != "dataset" else [r[k] for r in rows])
-            for k in rows[0]}
-
-
-class StepData(L.LightningDataModule):
-    """Serves ``steps[epoch]`` as ``last_step`` when the train dataloader is (re)built."""
-
-    def __init__(self, steps: list, val_rows: dict[str, list[dict]] | None = None):
-        super().__init__()
-        self.steps = steps
-        self.val_rows = VAL_ROWS if val_rows is None else val_rows
-        self.last_step = None
-        self.last_val_trees: dict = {}
-        self.sync_diff: float | None = None
-        self.timings: dict[str, float] = {}
-        self.task_metrics = ("em", "f1")  # search QA's, its headline first
-
-    def train_dataloader(self) -> DataLoader:
-        epoch = self.trainer.current_epoch
-        self.last_step = self.steps[min(epoch, len(self.steps) - 1)]
-        self.sync_diff, self.timings["sync"], self.timings["sample"] = 0.003, 0.25, 1.5
-        return DataLoader(torch.arange(4.0).reshape(4, 1), batch_size=2)
-
-    def val_dataloader(self) -> list[DataLoader]:
-        return [DataLoader(rows, batch_size=2, collate_fn=collate_rows)
-                for rows in self.val_rows.values()]
-
-
-class TinyModule(L.LightningModule):
-    """A linear layer; validation_step returns the batch, as TraceModule does."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Linear(1, 1)
-
-    def training_step(self, batch, batch_idx):
-        loss = self.w(batch).pow(2).mean()
-        self.log("train/loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx, dataloader_idx=0):
-        return batch
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def all_callbacks(jsonl: bool = False) -> list:
@@ -390,8 +330,7 @@ import json, sys
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from callbacks import QAAccuracy, RewardVariance
-from test_callbacks import StepData, TinyModule
-from test_callback_stats import build_step, build_trees
+from builders.steps import StepData, TinyModule, build_step, build_trees
 
 def row(ds, em):
     return dict(dataset=ds, em=em, f1=em, reward=em, searches=1.0, malformed=0.0)

@@ -1,7 +1,8 @@
 """Checkpoints a stop or a damaged disk leaves: ``--ckpt_path last`` resumes from the newest
 intact one (``cli.last_checkpoint``), and setup names a checkpoint that does not hold what
 the run will load (``checkpoints.check_checkpoint``), before the engine starts. Real
-Lightning ModelCheckpoint files from a real Trainer on the tiny policy of test_module."""
+Lightning ModelCheckpoint files from a real Trainer on the tiny policy (``policy_dir``,
+training/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import Qwen3ForCausalLM
 
-from test_module import VOCAB, policy_dir  # noqa: F401 (a fixture)
-from test_resume import _fit, _fsdp, no_process_group  # noqa: F401 (a fixture)
 from trace_lightning.training.checkpoints import check_checkpoint
 from trace_lightning.cli import last_checkpoint, main
 from trace_lightning.training.checkpoints import checkpoint_meta
 from trace_lightning.models import tiny_qwen3_config
 from trace_lightning.training.module import TraceModule
-
-TESTS = Path(__file__).resolve().parent
+from builders import REPO
+from builders.trees import TINY_VOCAB
+from builders.training import cpu_fsdp, fit_checkpointed
 
 SEARCH_QA = "trace_lightning.tasks.search_qa.SearchQAData"  # --data.task of search QA
 
@@ -36,7 +36,7 @@ SEARCH_QA = "trace_lightning.tasks.search_qa.SearchQAData"  # --data.task of sea
 KILLED_FIT = """
 import os, sys
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_resume import _fit
+from builders.training import fit_checkpointed
 from trace_lightning.training.module import TraceModule
 
 
@@ -47,15 +47,15 @@ class KilledAfterRemoval(ModelCheckpoint):
             os._exit(9)
 
 policy, root = sys.argv[1:]
-_fit(root, TraceModule(policy_path=policy, lr=1e-4), 3,
-     KilledAfterRemoval(dirpath=os.path.join(root, "checkpoints"), save_last="link",
-                        save_top_k=1), batches=2)
+fit_checkpointed(root, TraceModule(policy_path=policy, lr=1e-4), 3,
+                 KilledAfterRemoval(dirpath=os.path.join(root, "checkpoints"), save_last="link",
+                                    save_top_k=1), batches=2)
 """
 
 
 @pytest.fixture(scope="module")
-def policy(policy_dir, tmp_path_factory) -> Path:  # noqa: F811
-    """test_module's tiny policy with a tokenizer beside it, as the CLI requires (the runs
+def policy(policy_dir, tmp_path_factory) -> Path:
+    """The tiny policy (``policy_dir``) with a tokenizer beside it, as the CLI requires (the runs
     here stop before the engine would use it)."""
     from trace_lightning.models import train_tokenizer
 
@@ -80,9 +80,10 @@ def _cut_short(path: Path, keep: float = 0.5) -> None:
 @pytest.fixture(scope="module")
 def killed_run(policy, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("killed")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
+    tests = REPO / "tests"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(REPO)])}
     done = subprocess.run([sys.executable, "-c", KILLED_FIT, str(policy), str(root)],
-                          cwd=TESTS, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tests, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 9, done.stderr[-3000:]
     return root / "checkpoints"
 
@@ -115,8 +116,8 @@ def test_last_resumes_the_checkpoint_saved_before_a_kill_left_last_ckpt_dangling
         def on_train_start(self, trainer, pl_module):
             starts.append(trainer.global_step)
 
-    _fit(tmp_path, TraceModule(policy_path=str(policy), lr=1e-4), 4, Start(),
-         ckpt=str(found), batches=2)
+    fit_checkpointed(tmp_path, TraceModule(policy_path=str(policy), lr=1e-4), 4, Start(),
+                     ckpt=str(found), batches=2)
     assert starts == [6]
 
 
@@ -127,8 +128,8 @@ def test_last_skips_a_file_cut_short_and_stops_when_none_loads(killed_run, polic
     checkpoint that loads, ``fit --ckpt_path last`` stops and names them, rather than start
     from the initial policy."""
     folder = tmp_path / "checkpoints"
-    _fit(tmp_path, TraceModule(policy_path=str(policy), lr=1e-4), 1,
-         ModelCheckpoint(dirpath=folder, save_last="link", save_top_k=1))
+    fit_checkpointed(tmp_path, TraceModule(policy_path=str(policy), lr=1e-4), 1,
+                     ModelCheckpoint(dirpath=folder, save_last="link", save_top_k=1))
     older = folder / "epoch=0-step=1.ckpt"
     cut = folder / "epoch=1-step=2.ckpt"
     cut.write_bytes(older.read_bytes())
@@ -173,8 +174,8 @@ def _qa_files(root: Path) -> tuple[Path, Path]:
 def trained(policy, tmp_path_factory) -> Path:
     """A checkpoint of one epoch of two steps (AdamW moments for every parameter)."""
     root = tmp_path_factory.mktemp("trained")
-    trainer = _fit(root, TraceModule(policy_path=str(policy), lr=1e-4), 1,
-                   ModelCheckpoint(dirpath=root), batches=2)
+    trainer = fit_checkpointed(root, TraceModule(policy_path=str(policy), lr=1e-4), 1,
+                               ModelCheckpoint(dirpath=root), batches=2)
     return Path(trainer.checkpoint_callback.best_model_path)
 
 
@@ -283,9 +284,10 @@ def test_a_checkpoint_of_another_model_is_named_by_its_keys_and_shapes(trained, 
         check_checkpoint(trained, meta, TraceModule(policy_path=str(policy), kl_coef=0.1),
                          str(policy), fitting=False)
     other = tmp_path / "other"
-    Qwen3ForCausalLM(tiny_qwen3_config(VOCAB + 4)).save_pretrained(other)
+    Qwen3ForCausalLM(tiny_qwen3_config(TINY_VOCAB + 4)).save_pretrained(other)
     with pytest.raises(ValueError, match=rf"other shapes: policy\.model\.embed_tokens\.weight "
-                                         rf"\({VOCAB}, 64\) \(this run's: \({VOCAB + 4}, 64\)\)"):
+                                         rf"\({TINY_VOCAB}, 64\) "
+                                         rf"\(this run's: \({TINY_VOCAB + 4}, 64\)\)"):
         check_checkpoint(trained, meta, TraceModule(policy_path=str(other)), str(other),
                          fitting=True)
 
@@ -293,8 +295,8 @@ def test_a_checkpoint_of_another_model_is_named_by_its_keys_and_shapes(trained, 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_a_sharded_checkpoint_is_checked_from_its_metadata(policy, tmp_path,
                                                           no_process_group):  # noqa: F811
-    trainer = _fit(tmp_path, TraceModule(policy_path=str(policy), lr=1e-4), 1,
-                   L.Callback(), strategy=_fsdp("sharded"))
+    trainer = fit_checkpointed(tmp_path, TraceModule(policy_path=str(policy), lr=1e-4), 1,
+                               L.Callback(), strategy=cpu_fsdp("sharded"))
     path = Path(trainer.checkpoint_callback.best_model_path)
     assert path.is_dir()
     meta = checkpoint_meta(path)

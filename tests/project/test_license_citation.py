@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # MD5 of the standard text as the ASF publishes it (https://www.apache.org/licenses/LICENSE-2.0.txt)
 APACHE_2_MD5 = "3b83ef96387f14655fc854ddc3c6bd57"
 

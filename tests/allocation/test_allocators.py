@@ -8,22 +8,15 @@ from references import PrefixPlan, plan_prefixes, planned_leaves, prefix_plan, s
 from trace_lightning.allocation.allocators import KINDS, Allocator
 from trace_lightning.tree import bare_reward
 from trace_lightning.tree import RolloutTree
+from builders.trees import chain_tree
 
 
 def make_tree(tree_id: str, rollouts: list[tuple[int, float]], prediction: float = 0.5
               ) -> RolloutTree:
-    """A tree of bare chains: ``(turns, reward)`` per rollout; non-leaf turns get ``prediction``."""
-    t = RolloutTree.new(tree_id, f"question {tree_id}", ["a"], prompt_ids=[1, 2])
-    for j, (turns, reward) in enumerate(rollouts):
-        parent = 0
-        for d in range(turns):
-            last = d == turns - 1
-            node = t.add_child(parent, rollout=j if parent == 0 else None, token_ids=[3],
-                               logprobs=[-0.1], policy_mask=[1], finished=last,
-                               reward=reward if last else None,
-                               prediction=None if last else prediction)
-            parent = node.id
-    return t
+    """A tree of bare chains (``chain_tree``): ``(turns, reward)`` per rollout; non-leaf turns
+    get ``prediction``."""
+    return chain_tree(tree_id, [r for _, r in rollouts], turns=[n for n, _ in rollouts],
+                      prefix_p=prediction, question=f"question {tree_id}")
 
 
 def trees_for(plan, turns: int = 3) -> list[RolloutTree]:
