@@ -4,12 +4,16 @@ nodes get, and its build context keeps what it copies."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import re
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trace_lightning.cli import cli, main
 from trace_lightning.tasks.search_qa.config import DemoConfig, EvalSet
@@ -17,9 +21,28 @@ from builders import search_datamodule
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+# Overlays passed after configs/demo.yaml (a second --config); calc.yaml and sql.yaml name
+# their base themselves (`config: demo.yaml`) and run alone.
 OVERLAYS = {"demo_uniform.yaml", "demo_random_tree.yaml", "demo_prompt.yaml", "demo_prefix.yaml",
             "demo_oracle.yaml", "demo_oracle_roots.yaml", "demo_oracle_prefixes.yaml",
             "demo_gpu.yaml"}
+
+
+@functools.cache
+def resolved_config(*configs: Path) -> dict:
+    """What ``fit --config <each of configs>`` runs, every default filled in (its
+    ``--print_config``), as a dict: an overlay's file holds only what differs from its base,
+    so its raw YAML is not its config."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        main(["fit", *[a for c in configs for a in ("--config", str(c))], "--print_config"])
+    assert exit_.value.code in (0, None)
+    return yaml.safe_load(out.getvalue())
+
+
+def run_with(config: Path) -> tuple[Path, ...]:
+    """The --config files a shipped config runs with: demo.yaml first for OVERLAYS."""
+    return (REPO / "configs" / "demo.yaml", config) if config.name in OVERLAYS else (config,)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -65,6 +88,92 @@ def test_config_builds_its_module_and_datamodule(config):
         assert (task.demo is None) == (config.name in ("hotpotqa_qwen3.yaml",
                                                          "your_data_cpu.yaml"))
     assert built.trainer.checkpoint_callback is not None
+
+
+def test_a_config_key_reads_its_base_first(tmp_path):
+    """``config: <base>`` (relative to the file's folder) reads as ``--config <base>
+    --config <the rest>``: a section merges key by key (jsonargparse's own reading put the
+    file's ``trainer`` in place of the base's whole one), a list replaces the base's, and a
+    changed ``class_path`` keeps only the base's ``init_args`` the new class takes."""
+    (tmp_path / "base.yaml").write_text((REPO / "configs" / "demo.yaml").read_text())
+    (tmp_path / "sub").mkdir()
+    overlay = tmp_path / "sub" / "overlay.yaml"
+    overlay.write_text("\n".join([
+        "config: ../base.yaml",
+        "trainer:",
+        "  max_epochs: 3",
+        "  logger: {class_path: lightning.pytorch.loggers.CSVLogger}",
+        "  callbacks: [{class_path: callbacks.RewardVariance}]",
+        "data:",
+        "  allocator: {kind: uniform}",
+    ]))
+    base, got = resolved_config(tmp_path / "base.yaml"), resolved_config(overlay)
+    assert got["trainer"]["max_epochs"] == 3 and got["trainer"]["accelerator"] == "cpu"
+    assert [c["class_path"] for c in got["trainer"]["callbacks"]] == ["callbacks.RewardVariance"]
+    logger = got["trainer"]["logger"]  # TensorBoardLogger's save_dir and name: CSVLogger's too
+    assert logger["class_path"].endswith("CSVLogger")
+    assert (logger["init_args"]["save_dir"], logger["init_args"]["name"]) == ("runs/demo",
+                                                                            "tensorboard")
+    assert "log_graph" not in logger["init_args"]  # TensorBoardLogger's own: dropped
+    allocator = base["data"]["allocator"]  # printed as its class and init_args
+    assert got["data"]["allocator"] == {**allocator, "init_args": {**allocator["init_args"],
+                                                                   "kind": "uniform"}}
+    assert got["model"] == base["model"]
+
+
+def settings_equal_to_base(overlay: dict, base: dict, key: str = "") -> list[str]:
+    """The keys of an overlay's raw YAML whose value equals its resolved base's (dotted).
+
+    A mapping with another ``class_path`` than the base's configures a new class: its
+    settings are its own (none compared). One without a ``class_path`` over a base's class
+    is compared with that class's ``init_args``."""
+    same = []
+    for name, value in overlay.items():
+        path = f"{key}.{name}" if key else name
+        if not isinstance(base, dict) or name not in base:
+            continue
+        theirs = base[name]
+        if isinstance(value, dict) and isinstance(theirs, dict):
+            if value.get("class_path", theirs.get("class_path")) != theirs.get("class_path"):
+                continue  # a new class
+            if "init_args" in theirs and not {"class_path", "init_args"} & value.keys():
+                theirs = theirs["init_args"]  # `featuriser: {kind: ...}` over a class
+            same += settings_equal_to_base(value, theirs, path)
+        elif value == theirs:
+            same.append(path)
+    return same
+
+
+def test_settings_equal_to_base_rule():
+    # hand-checked: equal leaves are listed, a new class_path's settings are not compared
+    base = {"trainer": {"max_epochs": 8, "accelerator": "cpu",
+                        "logger": {"class_path": "TB", "init_args": {"save_dir": "a"}}},
+            "data": {"task": {"class_path": "Search", "init_args": {"seed": 0}}}}
+    overlay = {"trainer": {"max_epochs": 8, "accelerator": "gpu", "logger": {
+                   "class_path": "TB", "init_args": {"save_dir": "a"}}},
+               "data": {"task": {"class_path": "Calc", "init_args": {"seed": 0}}}}
+    assert settings_equal_to_base(overlay, base) == [
+        "trainer.max_epochs", "trainer.logger.class_path", "trainer.logger.init_args.save_dir"]
+    assert settings_equal_to_base({"trainer": {"logger": {"save_dir": "a"}}}, base) == [
+        "trainer.logger.save_dir"]
+
+
+BASED = [c for c in CONFIGS if "config" in (yaml.safe_load(c.read_text()) or {})]
+
+
+@pytest.mark.parametrize("config", BASED, ids=lambda p: p.name)
+def test_overlays_hold_only_what_differs(config):
+    """A config that names its base (``config: demo.yaml``) holds only the settings whose
+    values differ from the base's resolved ones: a repeated value would hide which settings
+    are the task's own, and stay behind when the base changes."""
+    raw = yaml.safe_load(config.read_text())
+    base = resolved_config(config.parent / raw.pop("config"))
+    same = settings_equal_to_base(raw, base)
+    assert not same, f"{config.name} repeats its base's values: {same}"
+
+
+def test_calc_and_sql_are_overlays():
+    assert {c.name for c in BASED} >= {"calc.yaml", "sql.yaml"}
 
 
 @pytest.mark.parametrize("given, named", [
@@ -252,15 +361,15 @@ def test_shipped_checkpointing_survives_a_crash(name, tmp_path):
     rerun that epoch's end: callbacks, exports)."""
     import lightning as L
     import torch
-    import yaml
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    config = yaml.safe_load((REPO / "configs" / name).read_text())
+    config = resolved_config(REPO / "configs" / name)
     (args,) = [c["init_args"] for c in config["trainer"]["callbacks"]
                if c["class_path"].endswith("ModelCheckpoint")]
-    every = args.get("every_n_epochs", 1)
-    val_every = config["trainer"].get("check_val_every_n_epoch", 1)
+    args = {k: v for k, v in args.items() if k != "dirpath"}  # null in the configs
+    every = args["every_n_epochs"] or 1
+    val_every = config["trainer"]["check_val_every_n_epoch"]
     starts, ends = [], []
 
     class Toy(L.LightningModule):
@@ -307,8 +416,6 @@ def test_your_data_config_is_its_own_and_its_lengths_fit(monkeypatch):
     before fit), logs to a folder no other config writes, and its lengths are consistent:
     the engine's context holds a full trajectory plus one more turn, a micro-batch holds a
     full trajectory; its one validation set is the user's dev file."""
-    import yaml
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     built = cli(["--config", str(REPO / "configs" / "your_data_cpu.yaml")], run=False)
     dm, trainer, model = built.datamodule, built.trainer, built.model
@@ -319,9 +426,8 @@ def test_your_data_config_is_its_own_and_its_lengths_fit(monkeypatch):
     for other in CONFIGS:
         if other.name == "your_data_cpu.yaml":
             continue
-        trainer_cfg = yaml.safe_load(other.read_text()).get("trainer", {})
-        folders = {trainer_cfg.get("default_root_dir"),
-                   trainer_cfg.get("logger", {}).get("init_args", {}).get("save_dir")}
+        trainer_cfg = resolved_config(*run_with(other))["trainer"]
+        folders = {trainer_cfg["default_root_dir"], trainer_cfg["logger"]["init_args"]["save_dir"]}
         assert "runs/your_data" not in folders, f"{other.name} logs to runs/your_data too"
     seq, turn = dm.task.max_seq_tokens, dm.sampling.max_tokens
     assert dm.engine_cfg.max_model_len >= seq + turn

@@ -288,7 +288,10 @@ class TraceParser(LightningArgumentParser):
     - a bad value in a section typed ``X | None`` (``--data.engine.kind=vlm``) reported as
       its own error instead of jsonargparse's dump of every Union subtype (``union_error``);
     - a YAML syntax error in a ``--config`` file named by the file, line and column
-      (PyYAML reads the file's text, which it calls "<unicode string>")."""
+      (PyYAML reads the file's text, which it calls "<unicode string>");
+    - a ``--config`` file that names its base (``config: demo.yaml``, relative to its own
+      folder) read as ``--config <base> --config <the rest of the file>``: the rest
+      overrides the base key by key (``parse_overlay``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -297,9 +300,34 @@ class TraceParser(LightningArgumentParser):
     def parse_path(self, path, *args, **kwargs):
         self._reading.append(str(path))
         try:
-            return super().parse_path(path, *args, **kwargs)
+            base, rest = config_base(path)
+            if base is None:
+                return super().parse_path(path, *args, **kwargs)
+            if os.path.realpath(base) in map(os.path.realpath, self._reading):
+                self.error(f"{path}: its base, config: {base}, is a file being read already "
+                           f"(a loop); name a base that does not name this file")
+            return self.parse_overlay(base, rest)
         finally:
             self._reading.pop()
+
+    def parse_overlay(self, base: str, rest: dict):
+        """The config of ``--config <base> --config <rest>`` (what ``ActionConfigFile``
+        asks ``parse_path`` for: the values given, no defaults, not yet validated).
+
+        jsonargparse's own reading of a ``config:`` key (4.53) puts each top-level section of
+        the file in place of the base's whole section (``trainer: {max_epochs: 3}`` drops
+        every other trainer setting of the base). Read as a second ``--config``, a section
+        merges key by key, a list (``trainer.callbacks``) replaces the base's, and a
+        changed ``class_path`` keeps only the base's ``init_args`` the new class also
+        takes."""
+        from jsonargparse import ActionConfigFile, Namespace
+        import yaml
+
+        cfg = Namespace()
+        ActionConfigFile.apply_config(self, cfg, "config", base)
+        ActionConfigFile.apply_config(self, cfg, "config", yaml.safe_dump(rest, sort_keys=False))
+        del cfg["config"]  # the files read; ActionConfigFile records the one given
+        return cfg
 
     def error(self, message: str, ex: Exception | None = None):
         section, sep, rest = message.partition(":\n")  # 'Parser key "data.engine"'
@@ -315,6 +343,22 @@ class TraceParser(LightningArgumentParser):
             return super().error(message, ex)  # the usage too (or an ArgumentError raised)
         sys.stderr.write(f"error: {message}\n")
         self.exit(2)
+
+
+def config_base(path) -> tuple[str | None, dict]:
+    """The base a YAML config file names (its top-level ``config:``, a path relative to the
+    file's folder), and the file's other keys; ``(None, {})`` for a file without one, or
+    one that is not a YAML mapping (jsonargparse reads it, and reports its errors)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None, {}
+    if not isinstance(data, dict) or not isinstance(data.get("config"), str):
+        return None, {}
+    rest = {k: v for k, v in data.items() if k != "config"}
+    return os.path.join(os.path.dirname(os.fspath(path)), data["config"]), rest
 
 
 def yaml_error(path: str, error: BaseException | None) -> str | None:
