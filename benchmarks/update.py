@@ -111,7 +111,7 @@ def demo_trees(args) -> dict[str, list[RolloutTree]]:
     from allocation import OnlinePredictor, demo_world  # the allocation benchmark's world
 
     from trace_lightning.allocation.allocators import Allocator
-    from trace_lightning.rollout.step import collect_step
+    from trace_lightning.rollout.step import StepSpec, collect_step
     from trace_lightning.allocation.history import PromptHistory
 
     torch.manual_seed(args.seed)
@@ -125,14 +125,14 @@ def demo_trees(args) -> dict[str, list[RolloutTree]]:
     predictor = OnlinePredictor(policy, args.seed, history=PromptHistory(1.0, 0.9, belief=True))
     for w in range(args.warmup_steps):
         cands = [questions[i] for i in rng.choice(len(questions), 192, False)]
-        predictor.learn(collect_step(loop, allocator("uniform"), cands, None, 0, epoch=w,
-                                     seed=args.seed + 1000 + w, advantage=args.advantage))
+        predictor.learn(collect_step(loop, allocator("uniform"), cands, StepSpec(
+            epoch=w, seed=args.seed + 1000 + w, advantage=args.advantage)))
     cands = [questions[i] for i in rng.choice(len(questions), 192, False)]
     out = {}
     for kind in ("uniform", "trace"):
-        step = collect_step(loop, allocator(kind), cands, predictor.predict,
-                            predictor.nodes_seen, epoch=args.warmup_steps, seed=args.seed,
-                            advantage=args.advantage)
+        step = collect_step(loop, allocator(kind), cands, StepSpec(
+            epoch=args.warmup_steps, seed=args.seed, advantage=args.advantage,
+            predict=predictor.predict, predictor_nodes_seen=predictor.nodes_seen))
         out[kind] = step.trees
     loop.engine.close()
     return out

@@ -273,7 +273,8 @@ def test_a_resumed_epoch_is_rolled_out_again_only_when_it_was_not_finished(demo_
                                      fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
                                          batch_progress=progress)))
         dm.load_state_dict({**dm.state_dict(), "rollout_epoch": 3})
-        dm.engine, dm._rollout = SimpleNamespace(wake_up=lambda: None, sleep=lambda: None), rollout
+        dm.session.engine = SimpleNamespace(wake_up=lambda: None, sleep=lambda: None)
+        dm._rollout = rollout
         if finished:
             (placeholder,) = list(dm.train_dataloader())
             assert placeholder == {"micro": [], "n_tokens": 0.0}
@@ -344,7 +345,7 @@ def test_validation_after_an_epoch_scores_the_updated_policy(demo_dir, tmp_path,
     # has no turns (zeros); a turn's mean log-prob, from vLLM's sampled log-probs, is below 0
     # and then the task's description of the prompt: how findable its documents are, which
     # the demo world's retriever gives again for the same question
-    replay = out.model.replay.sample_all()
+    replay = out.model.predictor_life.replay.sample_all()
     assert replay.features.shape[1] == out.model.predictor.feature_mean.shape[0] == 64 + 4 + 3
     assert (replay.features[replay.depth == 0, 64:68] == 0).all()
     trees = [t for f in sorted((tmp_path / "trees").glob("*.jsonl")) for t in read_jsonl(f)]
@@ -828,7 +829,7 @@ def test_two_process_fsdp_fit_on_cpu_syncs_checkpoints_and_exports(demo_dir, tmp
         assert not torch.equal(exported[name], initial[name]), name  # trained: decayed
 
     # resumed for a second epoch from the sharded checkpoint: the predictor's optimizer
-    # state comes back whole (see TraceModule.predictor_optimizer) and both models step
+    # state comes back whole (see PredictorLife.optimizer) and both models step
     args = demo_args(demo_dir, tmp_path, 2, *args[args.index("--trainer.devices=2"):],
                      f"--ckpt_path={ckpt}")
     proc = subprocess.run([str(script), "fit", *args], env=env, cwd=REPO, capture_output=True,
@@ -1122,7 +1123,7 @@ def test_a_checkpoint_path_keeps_the_settings_given_and_names_those_that_differ(
     warning lists those that differ, a fit with no epoch left says so, and a predictor of
     another shape is named before the engine starts (not after, when its weights fail to
     load)."""
-    from trace_lightning.data import TraceDataModule
+    from trace_lightning.rollout.session import EngineSession
     main(["fit", *demo_args(demo_dir, tmp_path, 1, "--model.lr=1e-3")])
     (ckpt,) = tmp_path.rglob("last*.ckpt")
     caplog.set_level("WARNING", logger="trace_lightning.cli")
@@ -1135,8 +1136,8 @@ def test_a_checkpoint_path_keeps_the_settings_given_and_names_those_that_differ(
     saved = torch.load(ckpt, weights_only=False, mmap=True)["global_step"]
     assert out.trainer.global_step == saved == 2  # the checkpoint's: nothing trained
     caplog.clear()
-    monkeypatch.setattr(TraceDataModule, "_start_engine",
-                        lambda self: pytest.fail("the engine started"))
+    monkeypatch.setattr(EngineSession, "start",
+                        lambda *args: pytest.fail("the engine started"))
     # predictor_hidden 8: its first layer is (8, 64 + 16), the checkpoint's (128, 64 + 16)
     # (64: the demo policy's hidden states; 16: the depth embedding); the bag-of-tokens
     # featuriser's 256 buckets: features of 256, not 64

@@ -15,7 +15,6 @@ Under several processes every rank computes the same candidates, predictions and
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -24,23 +23,23 @@ from typing import get_args
 
 import lightning as L
 import numpy as np
-import torch
 from torch.utils.data import DataLoader
 
 from trace_lightning.allocation.allocators import Allocator
-from trace_lightning.rollout.step import OracleNodes, RolloutStep, collect_step, oracle_predict
+from trace_lightning.rollout.step import (OracleNodes, RolloutStep, StepSpec, collect_step,
+                                          oracle_predict)
 from trace_lightning.collectives import (all_gather_list, any_rank, fail_together, from_rank0,
                                          raise_together)
 from trace_lightning.rollout.engines.config import EngineConfig
+from trace_lightning.rollout.session import EngineSession
 from trace_lightning.rollout.engines.base import SamplingConfig
-from trace_lightning.training.checkpoints import checkpoint_meta
+from trace_lightning.training.batches import step_minibatches
+from trace_lightning.training.checkpoints import local_checkpoint_meta
 from trace_lightning.hub import local_model_dir
 from trace_lightning.learner import learner_of
-from trace_lightning.packing.leaves import equalise_over_ranks, leaf_minibatches
 from trace_lightning.rollout.agent import AgentLoop, sample_trees
 from trace_lightning.tasks.base import Example, Task, TaskData
 from trace_lightning.tree import RolloutTree, write_jsonl
-from trace_lightning.packing.trees import tree_minibatches, update_units
 from trace_lightning.rollout.validation import resampled_loader, val_row
 
 def headline_first(env: Task, task: TaskData) -> tuple[str, ...]:
@@ -52,9 +51,6 @@ def headline_first(env: Task, task: TaskData) -> tuple[str, ...]:
                          f"{', '.join(env.metrics)}); name one of them")
     return (task.metric, *[m for m in env.metrics if m != task.metric])
 
-
-# --ckpt_path values Lightning resolves itself (not files)
-LIGHTNING_CKPT_KEYS = ("best", "last", "hpc", "registry")
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +125,7 @@ class TraceDataModule(L.LightningDataModule):
         self.train_limit, self.trees_dir, self.seed = train_limit, trees_dir, seed
         self.oracle_samples, self.oracle_nodes = oracle_samples, oracle_nodes
         self._check_config()
-        self.engine = None
-        self.tokenizer = None
+        self.session = EngineSession(self.engine_cfg, seed)  # the engine and tokenizer
         self._prepare_error: Exception | None = None  # prepare_data's, raised in setup
         self._checkpoint: tuple[str | None, Exception | None] | None = None  # expect_checkpoint
         self._rng = np.random.default_rng(seed)
@@ -138,8 +133,6 @@ class TraceDataModule(L.LightningDataModule):
         self.last_val_trees: dict[str, list[RolloutTree]] = {}
         # the task's validation metrics, its headline first (callbacks.QAAccuracy's default)
         self.task_metrics: tuple[str, ...] = ()
-        self.sync_diff: float | None = None
-        self._synced_step: int | None = None  # trainer.global_step of the last weight sync
         self.last_val_step: int | None = None  # trainer.global_step the last validation scored
         self.timings: dict[str, float] = {}
         self._rollout_epoch: int | None = None  # the epoch of the last training rollout
@@ -225,26 +218,8 @@ class TraceDataModule(L.LightningDataModule):
                            self._any_failed):
             self._setup(stage)
         self._agree_on_checkpoint()
-        if self.engine is None:
-            self._start_engine()
-
-    def _start_engine(self) -> None:
-        """The tokenizer and the engine. A failure on one process stops every process
-        (``fail_together``): the tokenizer, the GPU memory the engine is to take (another
-        job on one GPU), and the start itself where it runs no collective of its own. vLLM
-        on GPUs under several processes does (``EngineConfig.starts_together``): there a
-        failure inside ends its own process only."""
-        from transformers import AutoTokenizer
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        with fail_together("loading the tokenizer and checking the engine's device "
-                           "(--data.engine)", self._any_failed):
-            self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
-            self.engine_cfg.check_device(device)
-        together = self.engine_cfg.starts_together(device, self._rank[1])
-        with fail_together("starting the rollout engine (--data.engine)",
-                           None if together else self._any_failed):
-            self.engine = self.engine_cfg.build(self.policy_dir, self.seed, device)
+        if not self.session.started:
+            self.session.start(self.policy_dir, self._rank[1], self._any_failed)
 
     def _setup(self, stage: str) -> None:
         """Everything of ``setup`` that reads this process's files and services (no
@@ -257,30 +232,14 @@ class TraceDataModule(L.LightningDataModule):
         self._check_val_limit()
     def _check_checkpoint(self) -> None:
         """The checkpoint of ``expect_checkpoint`` is on this process's file system, and
-        holds what this run will load (``checkpoints.check_checkpoint``)."""
-        from trace_lightning.training.checkpoints import check_checkpoint
-
+        holds what this run will load (the learner checks it against its model)."""
         path, error = self._checkpoint or (None, None)
         if error is not None:
             raise error
-        local = (path is not None and "://" not in path
-                 and path.split(":")[0] not in LIGHTNING_CKPT_KEYS)  # not "registry:<name>"
-        if local and not Path(path).exists():
-            raise FileNotFoundError(f"--ckpt_path: checkpoint {path!r} does not exist on this "
-                                    f"process's file system; give the path of a .ckpt file "
-                                    f"(or a sharded checkpoint's folder) every process sees")
-        if local:
-            try:
-                meta = checkpoint_meta(path)  # a Lightning checkpoint (read without its tensors)
-            except ValueError as e:
-                raise ValueError(f"--ckpt_path: {e}") from None
-            # its predictor fits this run's (a sharded checkpoint's shapes are not in its meta)
-            if self.trainer is not None:
-                module = learner_of(self.trainer)
-                module.check_checkpoint_predictor(meta.get("state_dict", {}))
-                # the rest of what the run will load: keys, shapes, bytes, values
-                check_checkpoint(path, meta, module, self.policy_dir,
-                                 fitting=self.trainer.state.fn == "fit")
+        meta = local_checkpoint_meta(path) if path is not None else None
+        if meta is not None and self.trainer is not None:
+            learner_of(self.trainer).check_checkpoint(path, meta, self.policy_dir,
+                                                      fitting=self.trainer.state.fn == "fit")
 
     def _check_val_limit(self) -> None:
         """No share of the validation batches (``--trainer.limit_val_batches`` 0.1): a pass
@@ -326,20 +285,25 @@ class TraceDataModule(L.LightningDataModule):
         agree = self._any_rank
         return None if agree is None else (lambda failed: agree([failed])[0])
 
+    @property
+    def engine(self):
+        return self.session.engine
+
+    @property
+    def tokenizer(self):
+        return self.session.tokenizer
+
+    @property
+    def sync_diff(self) -> float | None:
+        """The last weight sync's largest engine-vs-policy log-prob difference."""
+        return self.session.sync_diff
+
     def _sync(self) -> None:
-        """Copy the policy's weights into the engine and check the copy, unless the engine
-        already holds this step's (a validation at the end of an epoch synced the weights
-        the next epoch's rollout samples with; the engine keeps them while it sleeps)."""
-        if self._synced_step == self.trainer.global_step:
-            return
-        module = learner_of(self.trainer)
-        probe = [self._probe_prompt()[:64]]
-        tic = time.perf_counter()
-        # an engine failing on one process stops every process (sync_weights)
-        self.sync_diff = module.sync_to_engine(self.engine, probe, self.engine_cfg.sync_atol,
-                                               any_failed=self._any_failed)
-        self.timings["sync"] = time.perf_counter() - tic
-        self._synced_step = self.trainer.global_step
+        """The policy's weights into the engine (``EngineSession.sync``: once per step)."""
+        self.session.sync(learner_of(self.trainer), self.trainer.global_step,
+                          lambda: self._probe_prompt()[:64], self._any_failed)
+        if self.session.sync_s is not None:
+            self.timings["sync"] = self.session.sync_s
 
     def _probe_prompt(self) -> list[int]:
         """A prompt's token ids for the weight-sync check: the first training example's (a
@@ -350,17 +314,6 @@ class TraceDataModule(L.LightningDataModule):
             if examples:
                 return self.task.environment(self.tokenizer, name).prompt(examples[0])[0]
         return self.tokenizer.encode("probe", add_special_tokens=False)
-
-    @contextlib.contextmanager
-    def _engine_turn(self):
-        """The engine is awake only while it syncs and samples; the trainer gets the
-        accelerator back after each rollout or validation phase (``engine.sleep``)."""
-        with fail_together("waking the rollout engine", self._any_failed):
-            self.engine.wake_up()
-        try:
-            yield
-        finally:
-            self.engine.sleep()
 
     def train_dataloader(self) -> DataLoader:
         resumed, self._resumed_epoch = self._resumed_epoch, None
@@ -377,14 +330,14 @@ class TraceDataModule(L.LightningDataModule):
             done = {"micro": [], "n_tokens": 0.0}  # never trained: the epoch's batches ran
             return DataLoader([done], batch_size=None, collate_fn=lambda b: b)
         tic = time.perf_counter()
-        with self._engine_turn():
+        with self.session.turn(self._any_failed):
             step = self._rollout()
         self._rollout_epoch = step.epoch
         if self.allocator.predicts:
             # The predictor learns from the step only where the allocator reads it: a run of
             # GRPO (uniform) or random_tree pays for no predictor, as it would elsewhere. It
-            # learns after the update's last mini-batch (marked step_end), whose forwards
-            # read the features its predictions did not compute.
+            # learns after the step's update, whose forwards read the features its
+            # predictions did not compute.
             learner_of(self.trainer).receive_step(step)
         epoch, (rank, _) = self.trainer.current_epoch, self._rank
         if self.trees_dir:
@@ -425,14 +378,14 @@ class TraceDataModule(L.LightningDataModule):
                                      nodes=self.oracle_nodes,
                                      learned=None if self.oracle_nodes == "all" else learned)
 
-        step = collect_step(loop, self.allocator, candidates, predict=predict,
-                            predictor_nodes_seen=module.predictor_nodes_seen, epoch=epoch,
-                            # one expand samples with seed (the two-wave schedule's second
-                            # with seed + 1): 2 * rank keeps every rank's streams apart
-                            seed=int(self._rng.integers(2**31 - 1)) + 2 * rank,
-                            advantage=self.advantage, shard=(rank, world),
-                            agree=from_rank0 if world > 1 else None,
-                            any_rank=self._any_rank)
+        spec = StepSpec(epoch=epoch, predict=predict, advantage=self.advantage,
+                        predictor_nodes_seen=module.predictor_nodes_seen,
+                        # one expand samples with seed (the two-wave schedule's second with
+                        # seed + 1): 2 * rank keeps every rank's streams apart
+                        seed=int(self._rng.integers(2**31 - 1)) + 2 * rank,
+                        shard=(rank, world), agree=from_rank0 if world > 1 else None,
+                        any_rank=self._any_rank)
+        step = collect_step(loop, self.allocator, candidates, spec)
         if bar is not None:
             bar.close()
         self.last_step = step
@@ -447,31 +400,12 @@ class TraceDataModule(L.LightningDataModule):
         return tqdm(total=total, desc=desc, unit="leaf", leave=False, dynamic_ncols=True)
 
     def _batches(self, step: RolloutStep) -> list[dict]:
-        """Mini-batches of token-packed micro-batches, ``ppo_epochs`` passes over the step's
-        trees (``tree_packing``: whole trees, each forwarded once) or leaves, each pass split
-        afresh; equal counts on every rank."""
-        pad = self.tokenizer.pad_token_id
-        if self.tree_packing:
-            leaves: dict[str, list] = {}
-            for s in step.sequences:
-                leaves.setdefault(s.tree_id, []).append(s)
-            units = [update_units(t, leaves[t.tree_id], self.max_tokens_per_microbatch)
-                     for t in step.trees if t.tree_id in leaves]
-        out = []
-        for e in range(self.ppo_epochs):
-            seed = step.epoch * self.ppo_epochs + e  # ppo_epochs=1: the split of earlier runs
-            if self.tree_packing:
-                out += tree_minibatches(units, self.minibatches_per_step,
-                                        self.max_tokens_per_microbatch, pad, seed)
-            else:
-                out += leaf_minibatches(step.sequences, self.minibatches_per_step,
-                                        self.max_tokens_per_microbatch, pad, seed)
-        for m in out:  # the temperature the old log-probs were sampled at: the update
-            m["temperature"] = self.sampling.temperature  # recomputes them at it
+        """The step's mini-batches (``batches.step_minibatches``), equal counts on every
+        rank."""
         device = self.trainer.strategy.root_device if self.trainer is not None else None
-        out = equalise_over_ranks(out, pad, device)
-        out[-1]["step_end"] = True  # the module's predictor learns after it (receive_step)
-        return out
+        return step_minibatches(step, self.tokenizer.pad_token_id, self.minibatches_per_step,
+                                self.ppo_epochs, self.max_tokens_per_microbatch,
+                                self.tree_packing, self.sampling.temperature, device)
 
     def val_dataloader(self) -> list[DataLoader]:
         """One loader per validation set; its rollouts are sampled when it is iterated.
@@ -494,7 +428,7 @@ class TraceDataModule(L.LightningDataModule):
         of validation set ``name``, with the current weights (synced first if the policy
         changed)."""
         env = self.task.environment(self.tokenizer, name)
-        with self._engine_turn():
+        with self.session.turn(self._any_failed):
             self._sync()
             tic = time.perf_counter()
             sampling = SamplingConfig(temperature=self.val_temperature, top_p=1.0,
@@ -516,13 +450,13 @@ class TraceDataModule(L.LightningDataModule):
         self._rng.bit_generator.state = state["rng"]
         self._resumed_epoch = state.get("rollout_epoch")  # see train_dataloader
         self.allocator.load_state_dict(state["allocator"])
-        self._synced_step = None  # restored weights: sync them before sampling
+        self.session.weights_changed()  # restored weights: sync them before sampling
 
     def teardown(self, stage: str) -> None:
         """Release the engine (its KV cache and weights) at the end of fit/validate, so a
         process that runs several (a notebook, a benchmark, the tests) does not keep each
         one's memory; the next ``setup`` builds a fresh engine."""
-        self._close_engine()
+        self.session.close()
 
     def on_exception(self, exception: BaseException) -> None:
         """A fit/validate that fails gets no ``teardown`` from Lightning: release the engine
@@ -530,15 +464,7 @@ class TraceDataModule(L.LightningDataModule):
         groups, which the next engine in the process would find stale). A failure to close
         is logged, never raised over the error being handled."""
         try:
-            self._close_engine()
+            self.session.close()
         except Exception as e:  # noqa: BLE001 - the run's own error is the one to see
             log.warning("closing the rollout engine after %s failed: %s: %s",
                         type(exception).__name__, type(e).__name__, e)
-
-    def _close_engine(self) -> None:
-        # the next engine starts from policy_path's weights: it must be synced, whatever the
-        # step (validate does not move global_step, so the step alone cannot tell)
-        self._synced_step = None
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            engine.close()

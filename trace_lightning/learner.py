@@ -1,7 +1,7 @@
 """What the DataModule asks of the LightningModule: one typed interface.
 
 The LightningModule owns the policy and the shared success predictor (the design card);
-the DataModule owns the engine and the RL step. Each epoch the step needs four things of
+the DataModule owns the engine and the RL step. Each epoch the step needs these things of
 the module, and reaches them through this ``Learner`` protocol (``TraceModule`` implements
 it), never through attributes looked up on ``trainer.lightning_module``:
 
@@ -10,10 +10,10 @@ it), never through attributes looked up on ``trainer.lightning_module``:
   many nodes the predictor has learnt from (``predictor_nodes_seen``: the cold start);
 - hand over the step's finished trees for the predictor to learn from (``receive_step``;
   only for an allocator that reads predictions: a GRPO run pays for no predictor). The
-  module learns from them after the update, at the end of the mini-batch the DataModule
-  marks ``step_end`` (its last of the step), so the update's forwards can feed it;
-- say whether a checkpoint's predictor fits this run (``check_checkpoint_predictor``),
-  before the engine starts;
+  module learns from them once the step's update has run (at the end of its last
+  mini-batch), so the update's forwards can feed it;
+- say whether a checkpoint holds what this run will load (``check_checkpoint``), before
+  the engine starts;
 - take the step's mini-batches before the update, at the step's start weights
   (``prepare_update``: the rollout correction's log-probs of the later mini-batches);
 - say whether its predictions read the task's description of each prompt
@@ -46,11 +46,13 @@ class Learner(Protocol):
         """Set ``node.prediction`` on every root and non-leaf turn of ``trees``."""
 
     def receive_step(self, step: RolloutStep) -> None:
-        """Take the step's finished trees; the predictor learns from them by the end of the
-        mini-batch marked ``step_end``."""
+        """Take the step's finished trees; the predictor learns from them once the step's
+        update has run."""
 
-    def check_checkpoint_predictor(self, state_dict: dict) -> None:
-        """A ValueError naming the settings when a checkpoint's predictor does not fit."""
+    def check_checkpoint(self, path: str, meta: dict, policy_dir: str, fitting: bool) -> None:
+        """A ValueError naming the settings when the checkpoint at ``path`` (``meta``: read
+        without its tensors) does not hold what this run loads (``fitting``: the optimizer
+        states and counters too, not only the weights)."""
 
     def prepare_update(self, batches: list[dict]) -> None:
         """Given the step's mini-batches before its update, at the step's start weights
@@ -63,7 +65,7 @@ def learner_of(trainer) -> Learner:
     if not isinstance(module, Learner):
         missing = [name for name in ("predictor_nodes_seen", "reads_prompt_features",
                                      "sync_to_engine", "predict_trees", "receive_step",
-                                     "check_checkpoint_predictor", "prepare_update")
+                                     "check_checkpoint", "prepare_update")
                    if not hasattr(module, name)]
         raise TypeError(f"TraceDataModule needs a LightningModule that implements "
                         f"trace_lightning.learner.Learner (as TraceModule does); "

@@ -18,7 +18,6 @@ from trace_lightning.allocation.features import node_features
 from trace_lightning.training.module import TraceModule
 from trace_lightning.tree import RolloutTree
 from trace_lightning.packing.attention import TREE_SDPA, node_plan, tree_attention_mask
-from builders import search_datamodule
 from builders.models import policy
 from builders.packing import (assert_packed_equals_per_leaf, leaf_micro, packed_micro,
                               sequences, update, with_old_logprobs_near)
@@ -247,11 +246,11 @@ def test_packed_features_equal_each_prefix_alone(model_state):
 
 
 def test_ppo_epochs_pass_over_every_tree_each_time_in_fresh_splits():
-    """The DataModule's packed mini-batches: each pass holds every (leaf, token) pair once,
-    whole trees per mini-batch, split afresh each pass; the divisor is the pass's pairs."""
-    from types import SimpleNamespace
-
+    """The step's packed mini-batches (``training.batches``): each pass holds every (leaf,
+    token) pair once, whole trees per mini-batch, split afresh each pass; the divisor is the
+    pass's pairs."""
     from trace_lightning.rollout.step import RolloutStep
+    from trace_lightning.training.batches import step_minibatches
     from trace_lightning.tree import Budget
 
     trees = [t for seed in range(4) for t in hand_trees(seed)]
@@ -261,10 +260,8 @@ def test_ppo_epochs_pass_over_every_tree_each_time_in_fresh_splits():
     seqs = sequences(trees, "tree_grpo")
     step = RolloutStep(epoch=3, trees=trees, candidates=12, root_plan=[1] * 12,
                        sequences=seqs, budget=Budget(leaves=len(seqs)))
-    dm = search_datamodule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
-                         ppo_epochs=3)
-    dm.tokenizer = SimpleNamespace(pad_token_id=0)
-    batches = dm._batches(step)
+    batches = step_minibatches(step, pad=0, minibatches=2, ppo_epochs=3, max_tokens=8192,
+                               tree_packing=True, temperature=1.0)
     assert len(batches) == 6
     pairs = sum(sum(s.policy_mask) for s in seqs)
     unique = sum(unique_tokens(t) for t in trees)
@@ -281,13 +278,11 @@ def test_ppo_epochs_pass_over_every_tree_each_time_in_fresh_splits():
     for e in range(3):
         assert sorted(firsts(batches[2 * e]) + firsts(batches[2 * e + 1])) == list(range(12))
     assert len({tuple(firsts(batches[2 * e])) for e in range(3)}) > 1  # split afresh
-    # every node is read in every pass (the predictor's features), and the step's last
-    # mini-batch, after which the module's predictor learns, is marked
+    # every node is read in every pass (the predictor's features)
     every = {(t.tree_id, n.id) for t in trees for n in t.nodes}
     for e in range(3):
         assert {tuple(k) for b in batches[2 * e: 2 * e + 2] for mb in b["micro"]
                 for k in mb["node_keys"]} == every
-    assert [bool(b.get("step_end")) for b in batches] == [False] * 5 + [True]
 
 
 @pytest.mark.slow

@@ -577,7 +577,7 @@ def test_collect_step_rolls_out_the_agreed_root_plan(vllm_random, retriever, tok
     from dataclasses import replace
 
     from trace_lightning.allocation.allocators import Allocator
-    from trace_lightning.rollout.step import collect_step
+    from trace_lightning.rollout.step import StepSpec, collect_step
 
     alloc = Allocator("uniform", roots=8, continuations=0, max_rollouts_per_prompt=4,
                       group_size=4)  # plans the first 2 candidates, 4 rollouts each
@@ -588,18 +588,30 @@ def test_collect_step_rolls_out_the_agreed_root_plan(vllm_random, retriever, tok
         return replace(plan, rollouts=agreed)
 
     loop = AgentLoop(vllm_random, make_env(tokenizer, retriever), SAMPLING)
-    step = collect_step(loop, alloc, examples, predict=None, predictor_nodes_seen=0, epoch=0,
-                        seed=0, advantage="grpo", agree=agree)
+    step = collect_step(loop, alloc, examples,
+                        StepSpec(epoch=0, seed=0, advantage="grpo", agree=agree))
     assert [t.tree_id for t in step.trees] == [examples[4].id, examples[5].id]
     assert step.root_plan == agreed and step.stage1 == [4, 4]
     assert step.budget.leaves == 8 == len(step.sequences)
 
 
+
+def grow_with(loop, starts, seed, then, any_rank=None):
+    """Grow ``starts`` as ``collect_step`` does stage 2: after each turn that reports trees,
+    ``then(done)``'s starts join the next turn (``then`` None: no stage 2)."""
+    if then is None:
+        return loop.expand(starts, seed=seed, any_rank=any_rank)
+    growth = loop.grow(starts, seed=seed, any_rank=any_rank)
+    for done in growth:
+        with growth.guard():
+            growth.add(then(done))
+    return growth.budget
+
 def test_a_tree_branches_while_other_trees_still_run(vllm_scripted, retriever, tokenizer,
                                                     examples):
-    """``expand(then=...)``: a tree is reported once, as soon as all its trajectories have
-    ended, and the continuations ``then`` returns run in the next turn's one engine call
-    beside the trajectories of trees still in stage 1 (no tree waits for another)."""
+    """``grow``: a tree is reported once, as soon as all its trajectories have ended, and
+    the continuations the caller adds run in the next turn's one engine call beside the
+    trajectories of trees still in stage 1 (no tree waits for another)."""
     env = make_env(tokenizer, retriever, max_turns=4)
     loop = AgentLoop(vllm_scripted, env, SAMPLING)
     trees = [loop.new_tree(e) for e in examples]
@@ -618,7 +630,7 @@ def test_a_tree_branches_while_other_trees_still_run(vllm_scripted, retriever, t
             overlapped.append((len(vllm_scripted.calls), starts, running))
         return starts
 
-    spent = loop.expand([Start(t, 0, 2) for t in trees], seed=11, then=then)
+    spent = grow_with(loop, [Start(t, 0, 2) for t in trees], 11, then)
     assert sorted(t.tree_id for t in reported) == sorted(t.tree_id for t in trees)
     assert overlapped, "p(answer) 1/4 per turn: some tree ends its stage 1 before another"
     calls, starts, running = overlapped[0]
@@ -635,8 +647,8 @@ def test_a_tree_branches_while_other_trees_still_run(vllm_scripted, retriever, t
 
 def test_any_rank_keeps_every_rank_reporting_on_the_same_turns(vllm_scripted, retriever,
                                                               tokenizer, examples):
-    """With ``any_rank`` a rank whose trees are done still calls ``then`` (with no trees) on
-    the turns another rank reports on, and loops until no rank has work; it runs no empty
+    """With ``any_rank`` a rank whose trees are done still yields (no trees) on the turns
+    another rank reports on, and loops until no rank has work; it runs no empty
     engine call meanwhile. The other rank is simulated here (its flags); the two-process
     FSDP fit in test_fit.py runs the real collective."""
     env = make_env(tokenizer, retriever, max_turns=1)  # every episode ends on turn 1
@@ -655,7 +667,7 @@ def test_any_rank_keeps_every_rank_reporting_on_the_same_turns(vllm_scripted, re
         reports.append(len(done))
         return []
 
-    spent = loop.expand([Start(t, 0, 2) for t in trees], seed=0, then=then, any_rank=any_rank)
+    spent = grow_with(loop, [Start(t, 0, 2) for t in trees], 0, then, any_rank)
     assert spent.leaves == 4 and len(vllm_scripted.calls) == 1
     assert reports == [2, 0, 0]
     # (report, more, failed) per turn
@@ -682,7 +694,8 @@ def test_a_turn_failing_on_one_rank_stops_every_rank(vllm_scripted, retriever, t
     """A rank whose retriever fails raises its own error, but only after telling the others
     (the failed flag of its turn's ``any_rank``); a rank whose peer failed raises
     ``RankFailed`` on that turn instead of looping on (it would wait in its next collective
-    for a peer that is gone). The same with and without stage 2 (``then``)."""
+    for a peer that is gone). The same with and without stage 2 (the caller's work between
+    turns)."""
     from trace_lightning.collectives import RankFailed
 
     then = (lambda done: []) if branching else None
@@ -696,7 +709,7 @@ def test_a_turn_failing_on_one_rank_stops_every_rank(vllm_scripted, retriever, t
         return mine
 
     with pytest.raises(RetrieverError, match="is down"):
-        loop.expand([Start(t, 0, 2) for t in trees], seed=0, then=then, any_rank=any_rank)
+        grow_with(loop, [Start(t, 0, 2) for t in trees], 0, then, any_rank)
     assert [f[2] for f in sent] == [False, True]  # the second turn's search failed
 
     env = make_env(tokenizer, retriever, max_turns=4)
@@ -709,15 +722,15 @@ def test_a_turn_failing_on_one_rank_stops_every_rank(vllm_scripted, retriever, t
         return [mine[0], True, len(turns) == 2]
 
     with pytest.raises(RankFailed, match="another process failed a rollout turn"):
-        loop.expand([Start(t, 0, 2) for t in trees], seed=0, then=then,
-                    any_rank=peer_fails_on_turn_2)
+        grow_with(loop, [Start(t, 0, 2) for t in trees], 0, then, peer_fails_on_turn_2)
     assert len(turns) == 2
 
 
 def test_a_failing_then_is_raised_on_every_rank_at_the_next_turns_flags(
         vllm_scripted, retriever, tokenizer, examples):
-    """Stage 2 (``then``: planning, the oracle's probe rollouts) failing on one rank: it
-    runs no more turns, tells the others at the next turn's flags, then raises its error."""
+    """Stage 2 (the caller's work between turns inside ``Growth.guard``: planning, the
+    oracle's probe rollouts) failing on one rank: it runs no more turns, tells the others
+    at the next turn's flags, then raises its error."""
     env = make_env(tokenizer, retriever, max_turns=1)  # every episode ends on turn 1
     loop = AgentLoop(vllm_scripted, env, SAMPLING)
     trees = [loop.new_tree(e) for e in examples[:2]]
@@ -731,7 +744,7 @@ def test_a_failing_then_is_raised_on_every_rank_at_the_next_turns_flags(
         return [mine[0], True, mine[2]]
 
     with pytest.raises(ValueError, match="planning failed"):
-        loop.expand([Start(t, 0, 2) for t in trees], seed=0, then=then, any_rank=any_rank)
+        grow_with(loop, [Start(t, 0, 2) for t in trees], 0, then, any_rank)
     assert sent == [[True, True, False], [False, False, True]]
     assert len(vllm_scripted.calls) == 1
 
@@ -752,7 +765,7 @@ def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, 
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
     from trace_lightning.allocation.allocators import Allocator
-    from trace_lightning.rollout.step import collect_step
+    from trace_lightning.rollout.step import StepSpec, collect_step
     from trace_lightning.collectives import any_rank, from_rank0
     from trace_lightning.allocation.features import node_features
 
@@ -783,9 +796,9 @@ def _stage_two_rank_worker(rank: int, world: int, out_dir: str, model_dir: str, 
     alloc = Allocator("trace", roots=16, continuations=1, max_rollouts_per_prompt=2,
                       group_size=2)
     try:
-        step = collect_step(loop, alloc, examples, predict, predictor_nodes_seen=1, epoch=0,
-                            seed=rank, advantage="grpo", shard=(rank, world), agree=from_rank0,
-                            any_rank=any_rank)
+        step = collect_step(loop, alloc, examples, StepSpec(
+            epoch=0, seed=rank, advantage="grpo", predict=predict, predictor_nodes_seen=1,
+            shard=(rank, world), agree=from_rank0, any_rank=any_rank))
         json_out = {"calls": calls, "leaves": step.budget.leaves,
                     "continuations": sum(n.continuations for t in step.trees for n in t.nodes)}
     except Exception as e:  # written, not raised: spawn would kill the other rank
@@ -884,7 +897,7 @@ def test_prefix_kind_predicts_only_the_opened_trees_and_branches_where_planned(
     through one prefix beside three failed ones, where random prefixes would land with
     probability 1 - (3/4)^2.)"""
     from trace_lightning.allocation.allocators import Allocator
-    from trace_lightning.rollout.step import collect_step
+    from trace_lightning.rollout.step import StepSpec, collect_step
 
     alloc = Allocator("prefix", roots=4, continuations=1, max_rollouts_per_prompt=4,
                       group_size=2)
@@ -897,8 +910,8 @@ def test_prefix_kind_predicts_only_the_opened_trees_and_branches_where_planned(
                 n.prediction = 1.0
 
     loop = AgentLoop(vllm_scripted, make_env(tokenizer, retriever, max_turns=3), SAMPLING)
-    step = collect_step(loop, alloc, examples, predict=predict, predictor_nodes_seen=10**6,
-                        epoch=0, seed=0, advantage="grpo")
+    step = collect_step(loop, alloc, examples, StepSpec(
+        epoch=0, seed=0, advantage="grpo", predict=predict, predictor_nodes_seen=10**6))
     opened = [examples[0].id, examples[1].id]
     assert step.root_plan == [2, 2] + [0] * (len(examples) - 2) and not step.cold_start
     assert [t.tree_id for t in step.trees] == opened
@@ -921,7 +934,7 @@ def test_resting_roots_reach_the_root_plan(vllm_scripted, retriever, tokenizer, 
     by stage 1: ``prompt`` with L = 4 on predictions favouring the
     first candidates opens the next two instead."""
     from trace_lightning.allocation.allocators import Allocator
-    from trace_lightning.rollout.step import collect_step
+    from trace_lightning.rollout.step import StepSpec, collect_step
 
     alloc = Allocator("prompt", roots=4, continuations=0, max_rollouts_per_prompt=2,
                       group_size=2)
@@ -932,8 +945,8 @@ def test_resting_roots_reach_the_root_plan(vllm_scripted, retriever, tokenizer, 
             t.root.resting = i < 2
 
     loop = AgentLoop(vllm_scripted, make_env(tokenizer, retriever, max_turns=1), SAMPLING)
-    step = collect_step(loop, alloc, examples, predict=predict, predictor_nodes_seen=10**6,
-                        epoch=0, seed=0, advantage="grpo")
+    step = collect_step(loop, alloc, examples, StepSpec(
+        epoch=0, seed=0, advantage="grpo", predict=predict, predictor_nodes_seen=10**6))
     assert step.root_plan == [0, 0, 2, 2] + [0] * (len(examples) - 4)
     assert [t.tree_id for t in step.trees] == [examples[2].id, examples[3].id]
 
@@ -1034,7 +1047,7 @@ def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokeni
     each continuation hangs under a planned prefix of a bare rollout, in that rollout's
     subtree, and a tree's leaves are its bare rollouts plus its continuations."""
     from trace_lightning.allocation.allocators import Allocator
-    from trace_lightning.rollout.step import collect_step
+    from trace_lightning.rollout.step import StepSpec, collect_step
 
     alloc = Allocator("random_tree", roots=4, continuations=1, max_rollouts_per_prompt=4,
                       group_size=2)
@@ -1042,8 +1055,8 @@ def test_collect_step_spends_stage_two_per_tree(vllm_scripted, retriever, tokeni
     loop = AgentLoop(vllm_scripted, make_env(tokenizer, slow, max_turns=max_turns), SAMPLING)
     calls = len(vllm_scripted.calls)
     tic = time.perf_counter()
-    step = collect_step(loop, alloc, examples, predict=None, predictor_nodes_seen=0, epoch=0,
-                        seed=5, advantage="grpo", overlap=overlap)
+    step = collect_step(loop, alloc, examples,
+                        StepSpec(epoch=0, seed=5, advantage="grpo", overlap=overlap))
     wall = time.perf_counter() - tic
     assert step.engine_calls == len(vllm_scripted.calls) - calls > 0
     # the searches' time is its own phase, taken out of "rollout" (not counted twice)

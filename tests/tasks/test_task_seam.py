@@ -54,7 +54,7 @@ def test_the_datamodule_names_what_a_module_lacks():
     with pytest.raises(TypeError, match=r"implements trace_lightning.learner.Learner .* "
                                         r"NotALearner lacks predictor_nodes_seen, "
                                         r"reads_prompt_features, sync_to_engine, predict_trees, receive_step, "
-                                        r"check_checkpoint_predictor, prepare_update"):
+                                        r"check_checkpoint, prepare_update"):
         learner_of(trainer)
 
 

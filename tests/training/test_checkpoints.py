@@ -18,7 +18,6 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import Qwen3ForCausalLM
 
-from trace_lightning.training.checkpoints import check_checkpoint
 from trace_lightning.cli import last_checkpoint, main
 from trace_lightning.training.checkpoints import checkpoint_meta
 from trace_lightning.models import tiny_qwen3_config
@@ -219,8 +218,8 @@ def test_a_flipped_optimizer_state_is_named_at_setup_before_the_engine(trained, 
 
     # validate loads the weights only: their records are intact
     meta = checkpoint_meta(flipped)
-    check_checkpoint(flipped, meta, TraceModule(policy_path=str(policy)), str(policy),
-                     fitting=False)
+    TraceModule(policy_path=str(policy)).check_checkpoint(flipped, meta, str(policy),
+        fitting=False)
 
 
 def test_a_file_that_does_not_unpickle_is_one_error_naming_it(trained, policy,
@@ -264,10 +263,10 @@ def test_a_saved_value_that_cannot_be_right_is_named(trained, policy, tmp_path,
     torch.save(checkpoint, path)
     module = TraceModule(policy_path=str(policy))
     if message is None:
-        check_checkpoint(path, checkpoint_meta(path), module, str(policy), fitting)
+        module.check_checkpoint(path, checkpoint_meta(path), str(policy), fitting)
         return
     with pytest.raises(ValueError) as err:
-        check_checkpoint(path, checkpoint_meta(path), module, str(policy), fitting)
+        module.check_checkpoint(path, checkpoint_meta(path), str(policy), fitting)
     assert str(err.value).startswith(f"--ckpt_path: {path}: {message}")
 
 
@@ -276,20 +275,20 @@ def test_a_checkpoint_of_another_model_is_named_by_its_keys_and_shapes(trained, 
     """Lightning's strict load would fail only after the engine started; the expected keys
     and shapes come from models on the meta device."""
     meta = checkpoint_meta(trained)
-    check_checkpoint(trained, meta, TraceModule(policy_path=str(policy)), str(policy),
-                     fitting=True)
+    TraceModule(policy_path=str(policy)).check_checkpoint(trained, meta, str(policy),
+        fitting=True)
     with pytest.raises(ValueError, match=r"does not fit this run's model \(missing: "
                                          r"reference\.model\.embed_tokens\.weight, .* and \d+ "
                                          r"more\); .*--model\.kl_coef 0\.1"):
-        check_checkpoint(trained, meta, TraceModule(policy_path=str(policy), kl_coef=0.1),
-                         str(policy), fitting=False)
+        TraceModule(policy_path=str(policy), kl_coef=0.1).check_checkpoint(
+            trained, meta, str(policy), fitting=False)
     other = tmp_path / "other"
     Qwen3ForCausalLM(tiny_qwen3_config(TINY_VOCAB + 4)).save_pretrained(other)
     with pytest.raises(ValueError, match=rf"other shapes: policy\.model\.embed_tokens\.weight "
                                          rf"\({TINY_VOCAB}, 64\) "
                                          rf"\(this run's: \({TINY_VOCAB + 4}, 64\)\)"):
-        check_checkpoint(trained, meta, TraceModule(policy_path=str(other)), str(other),
-                         fitting=True)
+        TraceModule(policy_path=str(other)).check_checkpoint(trained, meta, str(other),
+        fitting=True)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -300,8 +299,8 @@ def test_a_sharded_checkpoint_is_checked_from_its_metadata(policy, tmp_path,
     path = Path(trainer.checkpoint_callback.best_model_path)
     assert path.is_dir()
     meta = checkpoint_meta(path)
-    check_checkpoint(path, meta, TraceModule(policy_path=str(policy)), str(policy),
-                     fitting=True)
+    TraceModule(policy_path=str(policy)).check_checkpoint(path, meta, str(policy),
+        fitting=True)
     with pytest.raises(ValueError, match=r"does not fit this run's model \(missing: reference"):
-        check_checkpoint(path, meta, TraceModule(policy_path=str(policy), kl_coef=0.1),
-                         str(policy), fitting=True)
+        TraceModule(policy_path=str(policy), kl_coef=0.1).check_checkpoint(
+            path, meta, str(policy), fitting=True)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from trace_lightning.training.checkpoints import read_checkpoint
 from trace_lightning.training.export import (ELSEWHERE, META_FILE, export_checkpoint, is_local_path,
-                                             main, policy_state, replace_dir, save_policy)
+                                             main, policy_state, save_policy)
 from builders import tiny_policy
 
 
@@ -268,31 +268,6 @@ def test_a_kill_between_the_renames_loses_nothing_and_the_next_export_deletes_no
     save_policy(trained.state_dict(), model_dir, out)
     assert_same_weights(out, trained)
     assert {p: listing(p) for p in (old, partial)} == leftovers
-
-
-def test_replace_dir_moves_the_previous_folder_back_when_the_swap_fails(tmp_path, monkeypatch):
-    """The folder swap the demo's model uses too: renames only, into fresh names."""
-    out, new = tmp_path / "model", tmp_path / "staging"
-    for folder, text in ((out, "previous"), (new, "new"), (tmp_path / "model.old", "mine")):
-        folder.mkdir()
-        (folder / "f.txt").write_text(text)
-    rename = Path.rename
-
-    def failing_rename(self, target):
-        if self == new:
-            raise OSError("simulated failure moving the new folder into place")
-        return rename(self, target)
-
-    monkeypatch.setattr(Path, "rename", failing_rename)
-    with pytest.raises(OSError, match="simulated"):
-        replace_dir(new, out)
-    monkeypatch.undo()
-    assert (out / "f.txt").read_text() == "previous"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.old", "staging"]
-    replace_dir(new, out)
-    assert (out / "f.txt").read_text() == "new"
-    assert (tmp_path / "model.old" / "f.txt").read_text() == "mine"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.old"]
 
 
 def test_a_failed_replace_leaves_the_previous_export_in_place(trained, model_dir, tmp_path,

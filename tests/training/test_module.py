@@ -273,8 +273,9 @@ def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
 
     class Receive(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            pl_module.train_predictor(types.SimpleNamespace(trees=mixed_trees(), epoch=0))
-            stats[trainer.precision] = dict(pl_module._predictor_stats)
+            pl_module.receive_step(types.SimpleNamespace(trees=mixed_trees(), epoch=0))
+            pl_module.fit_predictor()
+            stats[trainer.precision] = dict(pl_module.predictor_life.stats)
             assert all(p.dtype == torch.float32 for p in pl_module.predictor.parameters())
 
     kw = ({"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
@@ -289,8 +290,7 @@ def test_predictor_trains_in_float32_under_any_precision(policy_dir, precision):
 
 
 def _tree_batches(trees: list[RolloutTree], n_minibatches: int) -> list[dict]:
-    """The DataModule's tree-packed mini-batches of ``trees`` (GRPO advantages), the last
-    marked ``step_end``."""
+    """The DataModule's tree-packed mini-batches of ``trees`` (GRPO advantages)."""
     import copy
 
     from trace_lightning.math.advantage import assign_advantages
@@ -303,9 +303,7 @@ def _tree_batches(trees: list[RolloutTree], n_minibatches: int) -> list[dict]:
         for seq, adv in zip(seqs, assign_advantages(seqs, [t], "grpo")):
             seq.token_advantages = adv
         units.append(update_units(t, seqs, 4096))
-    batches = tree_minibatches(units, n_minibatches, 4096, pad_id=0, seed=0)
-    batches[-1]["step_end"] = True
-    return batches
+    return tree_minibatches(units, n_minibatches, 4096, pad_id=0, seed=0)
 
 
 def _with_continuations(trees: list[RolloutTree]) -> list[RolloutTree]:
@@ -338,7 +336,7 @@ def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
     import types
 
     from trace_lightning.allocation import features
-    from trace_lightning.training import module as module_lib
+    from trace_lightning.training import predictor_life as module_lib
 
     ran: list[list[int]] = []  # every prompt or tree unit the policy featurised
     last_hidden_at, layout = features._last_hidden_at, features.layout
@@ -388,12 +386,12 @@ def test_the_step_features_are_computed_once(policy_dir, monkeypatch):
 
 def test_the_predictor_learns_after_the_steps_last_minibatch(policy_dir):
     """With two mini-batches the predictor has learnt nothing after the first and the step's
-    nodes after the second (marked ``step_end``); the continuations of the second
+    nodes after the second (the step's last); the continuations of the second
     mini-batch's trees are read at the weights its optimizer step started from, which the
     first moved (lr 1e-2), so they differ from the rollout's weights' features."""
     import types
 
-    from trace_lightning.training import module as module_lib
+    from trace_lightning.training import predictor_life as module_lib
 
     trees = mixed_trees()
     batches = _tree_batches(_with_continuations(mixed_trees()), 2)

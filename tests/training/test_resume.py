@@ -26,7 +26,8 @@ def test_resuming_under_bf16_true_restores_the_float32_predictor(policy_dir, tmp
     class Receive(L.Callback):
         def on_train_start(self, trainer, pl_module):
             if trainer.current_epoch == 0:  # one predictor fit, so its weights are not round
-                pl_module.train_predictor(types.SimpleNamespace(trees=mixed_trees(), epoch=0))
+                pl_module.receive_step(types.SimpleNamespace(trees=mixed_trees(), epoch=0))
+                pl_module.fit_predictor()
             seen.append({k: v.clone() for k, v in pl_module.predictor.state_dict().items()})
 
     def fit(epochs, ckpt=None):
@@ -79,10 +80,12 @@ def test_resuming_under_fsdp_restores_the_predictors_own_optimizer(policy_dir, t
     class Receive(L.Callback):
         def on_train_start(self, trainer, pl_module):
             if trainer.current_epoch == 1:
-                restored.append(copy.deepcopy(pl_module.predictor_optimizer().state_dict()))
-            pl_module.train_predictor(types.SimpleNamespace(trees=mixed_trees(),
+                opt = pl_module.predictor_life.optimizer(pl_module.predictor)
+                restored.append(copy.deepcopy(opt.state_dict()))
+            pl_module.receive_step(types.SimpleNamespace(trees=mixed_trees(),
                                                          epoch=trainer.current_epoch))
-            updates.append(pl_module._predictor_stats["predictor/updates"])
+            pl_module.fit_predictor()
+            updates.append(pl_module.predictor_life.stats["predictor/updates"])
 
     def fit(epochs, ckpt=None):
         module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)
@@ -114,8 +117,9 @@ def test_a_checkpoint_with_the_predictors_optimizer_in_lightnings_resumes_it(pol
         def on_train_start(self, trainer, pl_module):
             if trainer.current_epoch == 1:
                 trainer.save_checkpoint(resaved)
-            pl_module.train_predictor(types.SimpleNamespace(trees=mixed_trees(),
+            pl_module.receive_step(types.SimpleNamespace(trees=mixed_trees(),
                                                          epoch=trainer.current_epoch))
+            pl_module.fit_predictor()
 
     def fit(epochs, ckpt=None):
         module = TraceModule(policy_path=str(policy_dir), lr=1e-4, predictor_holdout=0.0)

@@ -16,9 +16,10 @@ holds it. Stateless tasks (``"none"``) skip all of it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -117,57 +118,21 @@ class AgentLoop:
         return tree
 
     def expand(self, starts: Sequence[Start], seed: int,
-               then: Callable[[list[RolloutTree]], Sequence[Start]] | None = None,
                any_rank: Callable[[list[bool]], list[bool]] | None = None) -> Budget:
-        """Run every trajectory of ``starts`` to its end; returns what the step spent.
+        """Run every trajectory of ``starts`` to its end; returns what they spent.
+        ``seed``, ``any_rank``: as ``grow``'s."""
+        growth = Growth(self, starts, seed, any_rank, report=False)
+        for _ in growth:
+            pass
+        return growth.budget
 
-        Args:
-            starts: where trajectories begin, and how many from each.
-            seed: seed of the turns' sampling seeds.
-            then: called after each turn with the trees of ``starts`` whose trajectories
-                have all ended since the last call; the starts it returns join the next
-                turn, beside the other trees' trajectories still running (a prompt's stage
-                2 need not wait for the other prompts' stage 1). A tree is reported once.
-            any_rank: under several processes, ``any_rank(flags)`` is each flag OR-ed over
-                the ranks (a collective, once per turn). Every rank then calls ``then`` on
-                the same turns (with no trees when none of its own ended), since ``then`` may
-                run collectives itself (the featuriser's forwards under FSDP), and loops
-                until no rank has a trajectory running or a tree to report. A turn that
-                fails on one rank (its retriever down, its engine, or ``then``: the oracle's
-                probes, planning) stops every rank at the next turn's flags: the others
-                raise ``RankFailed`` instead of waiting for it.
-        """
-        rng = np.random.default_rng(seed)
-        live = self._start(starts)
-        waiting = list({id(s.tree): s.tree for s in starts}.values()) if then else []
-        total = Budget()
-        error: Exception | None = None  # this rank's, raised once the ranks agree
-        while True:
-            if live and error is None:
-                try:
-                    live = self._turn(live, int(rng.integers(2**31 - 1)), total)
-                except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                    if any_rank is None:
-                        raise
-                    error = log_failure(e, "a rollout turn")
-            running = {id(t.tree) for t in live}
-            done = [t for t in waiting if id(t) not in running]
-            waiting = [t for t in waiting if id(t) in running]
-            report, more, failed = bool(done), bool(live or waiting or done), error is not None
-            if any_rank is not None:
-                report, more, failed = any_rank([report, more, failed])
-            if failed:
-                raise_failed(error, "a rollout turn")
-            if report and then is not None:
-                try:
-                    live += self._start(then(done))
-                except Exception as e:  # noqa: BLE001 - on every rank at the next turn's flags
-                    if any_rank is None:
-                        raise
-                    # ``more`` was true on every rank (``report`` is), so all come round again
-                    error = log_failure(e, "a rollout turn")
-            if not more:
-                return total
+    def grow(self, starts: Sequence[Start], seed: int,
+             any_rank: Callable[[list[bool]], list[bool]] | None = None) -> Growth:
+        """The trajectories of ``starts``, grown one turn per iteration by the caller, who
+        may add starts between turns (``Growth``). ``seed``: seed of the turns' sampling
+        seeds; ``any_rank``: under several processes, ``any_rank(flags)`` is each flag
+        OR-ed over the ranks (a collective, once per turn)."""
+        return Growth(self, starts, seed, any_rank, report=True)
 
     def _start(self, starts: Sequence[Start]) -> list[_Live]:
         """One live trajectory per count of each start; a new bare rollout gets its tree's
@@ -286,6 +251,76 @@ class AgentLoop:
         if self.on_leaves is not None:
             self.on_leaves(len(live) - len(still))
         return still
+
+
+class Growth:
+    """Trajectories grown turn by turn, driven by the caller.
+
+    Each iteration runs one turn of every live trajectory and, when some trees of the
+    starts have had all their trajectories end since the last report, yields them (each tree
+    once); starts the caller ``add``s join the next turn beside the trajectories still
+    running (a prompt's stage 2 need not wait for the other prompts' stage 1). ``budget``
+    is what the turns spent.
+
+    Under several processes (``any_rank``) every rank yields on the same turns (with no
+    trees when none of its own ended), since the caller's work between turns may run
+    collectives (the featuriser's forwards under FSDP), and the iteration ends when no rank
+    has a trajectory running or a tree to report. A turn that fails on one rank (its
+    retriever down, its engine), or the caller's work between turns inside ``guard()``
+    (the oracle's probes, planning), stops every rank at the next turn's flags: the others
+    raise ``RankFailed`` instead of waiting for it.
+    """
+
+    def __init__(self, loop: AgentLoop, starts: Sequence[Start], seed: int,
+                 any_rank: Callable[[list[bool]], list[bool]] | None, report: bool):
+        self.loop, self.any_rank = loop, any_rank
+        self.rng = np.random.default_rng(seed)
+        self.live = loop._start(starts)
+        # the trees whose end is to be reported (each once), by first appearance
+        self.waiting = list({id(s.tree): s.tree for s in starts}.values()) if report else []
+        self.budget = Budget()
+        self.error: Exception | None = None  # this rank's, raised once the ranks agree
+
+    def add(self, starts: Sequence[Start]) -> None:
+        """More trajectories, from the next turn on."""
+        self.live += self.loop._start(starts)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """The caller's work between two turns: under several processes an error in it is
+        raised on every rank at the next turn's flags (one process: at once)."""
+        if self.any_rank is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - on every rank at the next turn's flags
+            # ``more`` was true on every rank (a report was), so all come round again
+            self.error = log_failure(e, "a rollout turn")
+
+    def __iter__(self) -> Iterator[list[RolloutTree]]:
+        while True:
+            if self.live and self.error is None:
+                try:
+                    self.live = self.loop._turn(self.live, int(self.rng.integers(2**31 - 1)),
+                                                self.budget)
+                except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                    if self.any_rank is None:
+                        raise
+                    self.error = log_failure(e, "a rollout turn")
+            running = {id(t.tree) for t in self.live}
+            done = [t for t in self.waiting if id(t) not in running]
+            self.waiting = [t for t in self.waiting if id(t) in running]
+            report = bool(done)
+            more, failed = bool(self.live or self.waiting or done), self.error is not None
+            if self.any_rank is not None:
+                report, more, failed = self.any_rank([report, more, failed])
+            if failed:
+                raise_failed(self.error, "a rollout turn")
+            if report:
+                yield done
+            if not more:
+                return
 
 
 def sample_trees(engine: RolloutEngine, env: Task, examples: Sequence[Example],

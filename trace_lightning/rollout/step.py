@@ -47,45 +47,69 @@ class RolloutStep:
     # per tree of ``trees``, its stage-1 (planned) bare rollouts: indices 0..m-1; budget no
     # prefix could take adds bare rollouts after them (``unspent``). Empty: all are stage 1.
     stage1: list[int] = field(default_factory=list)
-    # turns the step ran, each one batched engine call (the oracle's probes included): the
-    # length of its longest chain of turns, which per-prompt stage 2 keeps short
+    # turns the step ran, each one batched engine call (the oracle's probes, which are its
+    # predictions, not counted): the length of its longest chain of turns, which per-prompt
+    # stage 2 keeps short
     engine_calls: int = 0
     # the share of each stage's budget the predictions planned ("roots", "prefixes"; from
     # the allocator's measured trust); empty where trust is not measured
     trust: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class StepSpec:
+    """What one step is to do, besides its loop, allocator and candidates.
+
+    Args:
+        epoch: the RL step (the trainer's epoch).
+        seed: seed of the step's sampling (the two-wave schedule's second wave: seed + 1).
+        advantage: the tree advantage (``math.advantage``).
+        predict: the shared predictor for ``prompt``, ``prefix`` and ``trace``, or an
+            estimate from extra rollouts for ``oracle`` (``oracle_predict``); allocators that
+            need no predictions never call it (``prefix`` only on the opened prompts).
+        predictor_nodes_seen: nodes the predictor has learnt from (the cold start).
+        shard: ``(rank, world_size)``: every rank plans the same global budget and rolls out
+            the chosen prompts ``rank::world_size``.
+        agree: makes the ranks' root plans one (the data module passes rank 0's to all):
+            each rank computes its own predictions, and a last-bit difference between them
+            (GPU kernels) could flip a solver's choice, so a prompt would be rolled out twice
+            and another not at all.
+        any_rank: (several processes) ORs flags over the ranks, so that every rank predicts
+            on the same turns and a turn that fails on one rank stops them all
+            (``agent.Growth``).
+        overlap: stage 2 per prompt as soon as its bare rollouts end; False waits for every
+            bare rollout first (two waves: the same plan;
+            ``benchmarks/rollout_schedule.py`` compares the two schedules).
+    """
+
+    epoch: int
+    seed: int
+    advantage: str = "tree_grpo"
+    predict: Predict | None = None
+    predictor_nodes_seen: int = 0
+    shard: tuple[int, int] = (0, 1)
+    agree: Callable[[RootPlan], RootPlan] | None = None
+    any_rank: Callable[[list[bool]], list[bool]] | None = None
+    overlap: bool = True
+
+
 def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Example],
-                 predict: Predict | None, predictor_nodes_seen: int, epoch: int, seed: int,
-                 advantage: str, shard: tuple[int, int] = (0, 1),
-                 agree: Callable[[RootPlan], RootPlan] | None = None,
-                 any_rank: Callable[[list[bool]], list[bool]] | None = None,
-                 overlap: bool = True) -> RolloutStep:
+                 spec: StepSpec) -> RolloutStep:
     """Build one step's trees with ``allocator`` and turn them into training sequences.
 
-    ``predict`` is the shared predictor for ``prompt``, ``prefix`` and ``trace``, or an
-    estimate from extra rollouts for ``oracle`` (see ``oracle_predict``); allocators that need
-    no predictions never call it (``prefix`` only on the opened prompts, as they branch).
-    ``shard=(rank, world_size)``: every rank plans the same global budget and rolls out the
-    chosen prompts ``rank::world_size``. ``agree`` makes the ranks' root plans
-    one (the data module passes rank 0's to all): each rank computes its own predictions,
-    and a last-bit difference between them (GPU kernels) could flip a solver's choice, so a
-    prompt would be rolled out twice and another not at all. ``any_rank`` (several
-    processes) ORs flags over the ranks, so that every rank predicts on the same turns and
-    a turn that fails on one rank stops them all (see ``AgentLoop.expand``).
-
-    Stage 2 (branching kinds) runs per prompt: after each turn, the prompts whose bare
-    rollouts have all ended get their prefixes predicted and their continuations planned
-    (``PrefixPlanner``), and those join the next turn beside the other prompts' stage 1.
-    Once every prompt is planned, the pool of budget prompts could not use is spent, and
-    what no prefix can take becomes extra bare rollouts, round robin, so every allocator
-    spends the same leaves. ``overlap=False`` waits for every bare rollout first (two
-    waves: the same plan; ``benchmarks/rollout_schedule.py`` compares the two schedules).
+    Stage 1 plans each candidate's bare rollouts. Stage 2 (branching kinds) runs per prompt:
+    the step grows the trajectories turn by turn (``AgentLoop.grow``), and after each turn
+    the prompts whose bare rollouts have all ended get their prefixes predicted and their
+    continuations planned (``PrefixPlanner``), which join the next turn beside the other
+    prompts' stage 1. Once every prompt is planned, the pool of budget prompts could not use
+    is spent, and what no prefix can take becomes extra bare rollouts, round robin, so every
+    allocator spends the same leaves.
     """
+    predict, nodes_seen = spec.predict, spec.predictor_nodes_seen
     seconds: dict[str, float] = {}
     tic, calls = time.perf_counter(), loop.engine_calls
     trees = [loop.new_tree(e) for e in candidates]
-    cold = allocator.is_cold(predictor_nodes_seen)
+    cold = allocator.is_cold(nodes_seen)
     trust = ({stage: allocator.weight(stage) for stage in ("roots", "prefixes")}
              if allocator.trust is not None and not cold else {})
     informed = allocator.predicts and not cold
@@ -98,13 +122,13 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
     seconds["predict"] = time.perf_counter() - tic
 
     plan = allocator.plan_roots(len(trees), [t.root.prediction for t in trees]
-                                if by_prediction else None, predictor_nodes_seen,
+                                if by_prediction else None, nodes_seen,
                                 [t.root.prediction_count for t in trees]
                                 if by_prediction else None,
                                 [t.root.resting for t in trees] if by_prediction else None)
-    if agree is not None:
-        plan = agree(plan)
-    rank, world = shard
+    if spec.agree is not None:
+        plan = spec.agree(plan)
+    rank, world = spec.shard
     opened = [(t, m) for t, m in zip(trees, plan.rollouts) if m > 0][rank::world]
     chosen = [t for t, _ in opened]
     planner = allocator.prefix_planner(chosen, plan.cold_start) if allocator.branches else None
@@ -127,11 +151,16 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
 
     tic, predicted, tooled = time.perf_counter(), seconds["predict"], loop.tool_s
     first = [Start(t, 0, m) for t, m in opened]
+    seed, any_rank = spec.seed, spec.any_rank
     try:
         if planner is None:
             budget = loop.expand(first, seed=seed, any_rank=any_rank)
-        elif overlap:
-            budget = loop.expand(first, seed=seed, then=branch, any_rank=any_rank)
+        elif spec.overlap:
+            growth = loop.grow(first, seed=seed, any_rank=any_rank)
+            for done in growth:  # after a turn that ended some prompts' bare rollouts
+                with growth.guard():
+                    growth.add(branch(done))
+            budget = growth.budget
         else:
             budget = loop.expand(first, seed=seed, any_rank=any_rank)
             budget.add(loop.expand(branch(chosen), seed=seed + 1, any_rank=any_rank))
@@ -149,9 +178,9 @@ def collect_step(loop: AgentLoop, allocator: Allocator, candidates: Sequence[Exa
     if informed:  # the predictions that steered this step, scored: how far the next trusts them
         allocator.record_outcomes(chosen, [m for _, m in opened])
     sequences = [s for t in chosen for s in t.flatten()]
-    for seq, adv in zip(sequences, assign_advantages(sequences, chosen, advantage)):
+    for seq, adv in zip(sequences, assign_advantages(sequences, chosen, spec.advantage)):
         seq.token_advantages = adv
-    return RolloutStep(epoch=epoch, trees=chosen, candidates=len(candidates),
+    return RolloutStep(epoch=spec.epoch, trees=chosen, candidates=len(candidates),
                        root_plan=list(plan.rollouts), sequences=sequences, budget=budget,
                        pool_returned=planner.pool_returned if planner else 0,
                        unspent=planner.unspent if planner else 0, seconds=seconds,
@@ -181,6 +210,9 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int, nodes: OracleNodes 
                          f"the tool state it left, and {type(loop.env).__name__}'s tools keep "
                          f"state (continuation {loop.env.continuation!r}): use another "
                          f"--data.allocator.kind for this task")
+    # the probes grow in a loop of their own: they are no leaves of the step, and their
+    # turns and tool calls count as the step's "predict" time
+    probing = AgentLoop(loop.engine, loop.env, loop.sampling, continues=False)
     calls = itertools.count()
     estimates: dict[tuple[int, int], float] = {}  # by (id(tree), node id): each probed once
 
@@ -202,13 +234,7 @@ def oracle_predict(loop: AgentLoop, samples: int, seed: int, nodes: OracleNodes 
         # a seed per call: stage 2 calls once per turn, and probe i of two calls must not
         # draw the same samples
         call_seed = int(np.random.SeedSequence([seed, next(calls)]).generate_state(1)[0])
-        # probes are no leaves of the step, and their tool calls count as "predict" time
-        on_leaves, loop.on_leaves = loop.on_leaves, None
-        tooled = loop.tool_s
-        try:
-            loop.expand([Start(p, 0, samples) for p in probes], seed=call_seed)
-        finally:
-            loop.on_leaves, loop.tool_s = on_leaves, tooled
+        probing.expand([Start(p, 0, samples) for p in probes], seed=call_seed)
         for p, (t, n) in zip(probes, targets):
             rewards = [leaf.reward for leaf in p.leaves()]
             n.prediction = estimates[(id(t), n.id)] = sum(rewards) / len(rewards)

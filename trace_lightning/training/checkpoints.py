@@ -36,31 +36,57 @@ import struct
 import textwrap
 import warnings
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
+
 
 CHUNK = 1 << 24  # elements tested at a time (a 16 MB mask where values are counted)
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state besides its step
 
 
-def check_checkpoint(path: str | Path, data: dict, module, policy_dir: str,
-                     fitting: bool) -> None:
+# --ckpt_path values Lightning resolves itself (not files)
+LIGHTNING_CKPT_KEYS = ("best", "last", "hpc", "registry")
+
+
+def local_checkpoint_meta(path: str) -> dict | None:
+    """Before the engine starts: the checkpoint ``--ckpt_path`` resolved to (``path``), read
+    without its tensors (``checkpoint_meta``), or None for a value Lightning resolves itself
+    ("registry:<name>", a URL). A path not on this process's file system, or not a Lightning
+    checkpoint, is one error naming the flag."""
+    if "://" in path or path.split(":")[0] in LIGHTNING_CKPT_KEYS:
+        return None
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--ckpt_path: checkpoint {path!r} does not exist on this "
+                                f"process's file system; give the path of a .ckpt file "
+                                f"(or a sharded checkpoint's folder) every process sees")
+    try:
+        return checkpoint_meta(path)
+    except ValueError as e:
+        raise ValueError(f"--ckpt_path: {e}") from None
+
+
+def check_checkpoint(path: str | Path, data: dict, policy_dir: str, fitting: bool,
+                     new_predictor: Callable[[Any], nn.Module], reference: bool,
+                     settings: str) -> None:
     """Raise a ValueError naming ``path`` and its first bad entry, if any (see the module's
-    docstring). ``data``: the checkpoint memory-mapped (``export.checkpoint_meta``; a
-    sharded checkpoint's ``meta.pt``); ``module``: the run's TraceModule; ``policy_dir``:
-    the policy's local directory; ``fitting``: check what ``fit`` loads, not only the
-    weights."""
+    docstring). ``data``: the checkpoint memory-mapped (``checkpoint_meta``; a sharded
+    checkpoint's ``meta.pt``); ``policy_dir``: the policy's local directory; ``fitting``:
+    check what ``fit`` loads, not only the weights; ``new_predictor(config)``: the run's
+    predictor for a policy config; ``reference``: the run keeps a frozen reference copy of
+    the policy; ``settings``: the flags that shape the model, named in a mismatch."""
     path = Path(path)
-    weights, params = expected_shapes(module, policy_dir)
+    weights, params = expected_shapes(policy_dir, new_predictor, reference)
     sharded = path.is_dir()
     if sharded:
         saved, optimizer = _sharded_shapes(path)
     else:
         saved = {k: tuple(v.shape) for k, v in data.get("state_dict", {}).items()}
         optimizer = _optimizer_shapes(data.get("optimizer_states", [])[:1], params)
-    _check_shapes(path, weights, saved, params, optimizer if fitting else {}, module)
+    _check_shapes(path, weights, saved, params, optimizer if fitting else {}, settings)
     checked = ["state_dict", "optimizer_states", "trace"] if fitting else ["state_dict"]
     entries = [(name, t) for key in checked for name, t in tensors(data.get(key), key)]
     if not sharded:
@@ -69,7 +95,8 @@ def check_checkpoint(path: str | Path, data: dict, module, policy_dir: str,
         _check_values(path, name, t, params)
 
 
-def expected_shapes(module, policy_dir: str) -> tuple[dict[str, tuple], dict[str, list]]:
+def expected_shapes(policy_dir: str, new_predictor: Callable[[Any], nn.Module], reference: bool
+                    ) -> tuple[dict[str, tuple], dict[str, list]]:
     """This run's ``state_dict`` shapes ({key: shape}), and each optimizer's parameters in
     its order ({"policy"/"predictor": [(name, shape)]}), from models on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -79,8 +106,8 @@ def expected_shapes(module, policy_dir: str) -> tuple[dict[str, tuple], dict[str
     config = without_dropout(AutoConfig.from_pretrained(policy_dir))
     with torch.device("meta"):
         models = {"policy": AutoModelForCausalLM.from_config(config),
-                  "predictor": module.new_predictor(config)}
-    if module.hparams.kl_coef > 0:
+                  "predictor": new_predictor(config)}
+    if reference:
         models["reference"] = models["policy"]  # a frozen copy of the policy
     weights = {f"{prefix}.{k}": tuple(v.shape) for prefix, model in models.items()
                for k, v in model.state_dict().items()}
@@ -143,7 +170,7 @@ def _sharded_shapes(path: Path) -> tuple[dict[str, tuple], dict[str, tuple]]:
 
 
 def _check_shapes(path: Path, weights: dict, saved: dict, params: dict, optimizer: dict,
-                  module) -> None:
+                  settings: str) -> None:
     missing = [k for k in weights if k not in saved]
     unexpected = [k for k in saved if k not in weights]
     wrong = [f"{k} {saved[k]} (this run's: {weights[k]})" for k in weights
@@ -161,9 +188,7 @@ def _check_shapes(path: Path, weights: dict, saved: dict, params: dict, optimize
                                           ("other shapes", wrong)) if keys)
     raise ValueError(
         f"--ckpt_path: {path} does not fit this run's model ({listed}); it was written by a "
-        f"run of another policy or settings (--model.policy_path "
-        f"{module.hparams.policy_path!r}, --model.kl_coef {module.hparams.kl_coef}, "
-        f"--model.featuriser, --model.predictor_hidden): give a checkpoint of this model, or "
+        f"run of another policy or settings ({settings}): give a checkpoint of this model, or "
         f"use the settings of the run that wrote it")
 
 

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from trace_lightning.folders import replace_dir
 from trace_lightning.hub import is_local_path
 from trace_lightning.training.checkpoints import read_checkpoint, reason
 
@@ -229,35 +230,6 @@ def _manifest(out: Path) -> set[str] | None:
     if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
         return None
     return set(files)
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished folder ``tmp`` to ``out`` (on one filesystem) by renames only.
-
-    A folder already at ``out`` is moved aside into a fresh folder beside it,
-    ``<out>.old-XXXXXXXX/`` (``tempfile.mkdtemp``: no name of the user's is taken or
-    cleared), moved back if ``tmp`` cannot be moved in, and deleted, with that fresh folder,
-    once it is. So a complete folder is at ``out`` at every moment, or (killed between the
-    two renames) at ``<out>.old-XXXXXXXX/<out name>``, which nothing deletes then: move it
-    back yourself. Everything at ``out`` is deleted: the caller checks that it may be."""
-    out = Path(out)
-    if not (out.exists() or out.is_symlink()):
-        tmp.rename(out)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
-    previous = aside / out.name
-    out.rename(previous)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        if not (out.exists() or out.is_symlink()):
-            previous.rename(out)
-            aside.rmdir()
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
-    if aside.exists():
-        log.warning("could not delete all of %s, the folder %s replaced: delete it yourself",
-                    aside, out)
 
 
 def _generation_config(policy_path: str | Path) -> GenerationConfig | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Callable
 from typing import Literal, get_args
 
@@ -26,19 +25,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trace_lightning.math.advantage import ADVANTAGE_KINDS, AdvantageKind
 from trace_lightning.rollout.step import RolloutStep
-from trace_lightning.collectives import all_gather_batch, all_gather_list
 from trace_lightning.rollout.engines.sync import sync_weights
 from trace_lightning.allocation.history import PromptHistory
-from trace_lightning.allocation.posterior import PrefixPosterior
 from trace_lightning.logs import log_scalars
 from trace_lightning.math.loss import selected_token_logprobs, weighted_policy_loss
 from trace_lightning.allocation.features import Featuriser, take_node_features
-from trace_lightning.allocation.predictor import (ReplayBuffer, SuccessPredictor, fit_predictor,
-                                       predict_nodes, training_batch)
+from trace_lightning.allocation.predictor import SuccessPredictor
+from trace_lightning.training.predictor_life import PredictorLife
 from trace_lightning.tree import RolloutTree
 from trace_lightning.packing.attention import TREE_SDPA, attention_inputs
 from trace_lightning.packing.trees import WEIGHT_KEYS
 from trace_lightning.math.rollout_correction import RolloutIS, RolloutRS
+from trace_lightning.training.checkpoints import check_checkpoint
 from trace_lightning.training.rollout_correction import RolloutCorrection, start_logprobs
 
 
@@ -192,26 +190,16 @@ class TraceModule(L.LightningModule):
                              f"null (off)")
         self.save_hyperparameters(ignore=["featuriser", "history"])
         self.automatic_optimization = False
-        self.featuriser = featuriser or Featuriser()
-        self.replay = ReplayBuffer(replay_steps)
-        self.history = history
-        self.posterior = PrefixPosterior(window=replay_steps) if prefix_outcomes else None
-        self.predictor_nodes_seen = 0
+        # the predictor's features, replay, history, posterior, optimizer and counters
+        self.predictor_life = PredictorLife(
+            featuriser or Featuriser(), predictor_hidden, predictor_lr, predictor_epochs,
+            predictor_batch_size, predictor_holdout, replay_steps, history, prefix_outcomes)
         self.policy: PreTrainedModel | None = None
         self.reference: PreTrainedModel | None = None
         self.predictor: SuccessPredictor | None = None
-        self._predictor_stats: dict[str, float] = {}
         self._last_sync: tuple | None = None  # (engine, probe, policy probe log-probs)
-        # (global_step, {(tree_id, node_id): (D,)}): the features predict_trees computed in
-        # this step's rollout, with these weights; receive_step takes them (see there)
-        self._step_features: tuple[int, dict] | None = None
-        # (step, its predictions' features, final hidden states the update's forwards read
-        # at the other nodes): the step the predictor learns from after the update
-        self._pending: tuple[RolloutStep, dict, dict] | None = None
         self._grad_norm = float("nan")  # the policy's, before clipping, of the last step
         self._predictor_restore: dict | None = None  # see on_load_checkpoint
-        self._predictor_opt: torch.optim.Optimizer | None = None  # see predictor_optimizer
-        self._predictor_opt_restore: dict | None = None
 
     # ---- models -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -242,7 +230,7 @@ class TraceModule(L.LightningModule):
             self.reference.requires_grad_(False)
         if self.hparams.compile_layers:
             compile_decoder_layers(self.policy)
-        self.predictor = self.new_predictor(self.policy.config)
+        self.predictor = self.predictor_life.new_predictor(self.policy.config)
         self.shard_models()
         if self._trainer is not None:  # an unwrapped LightningModule is not moved by FSDP
             self.predictor.to(self.trainer.strategy.root_device)
@@ -274,7 +262,7 @@ class TraceModule(L.LightningModule):
         # dtype); it reads float32 features and is tiny, so it trains in float32. The same
         # Parameter objects: the optimizer already holding them stays valid.
         self.predictor.float()
-        self._step_features = None  # an earlier fit's (a notebook), maybe of other weights
+        self.predictor_life.forget_features()  # an earlier fit's (a notebook), other weights
         if self._predictor_restore is not None:  # the checkpoint's float32 values, unrounded
             self.predictor.load_state_dict(self._predictor_restore)
             self._predictor_restore = None
@@ -317,27 +305,9 @@ class TraceModule(L.LightningModule):
         # linear warm-up of the policy's lr over its first optimizer steps (0: constant lr):
         # Adam's first updates are sign-like (every weight moves by about lr), which a tiny
         # policy on few rollouts does not survive at the lr it can use later. The predictor's
-        # optimizer is not Lightning's: see predictor_optimizer.
+        # optimizer is not Lightning's: see PredictorLife.optimizer.
         warmup = torch.optim.lr_scheduler.LambdaLR(policy_opt, LinearWarmup(h.lr_warmup_steps))
         return [policy_opt], [{"scheduler": warmup, "interval": "step"}]
-
-    def predictor_optimizer(self) -> torch.optim.Optimizer:
-        """The predictor's AdamW, made on first use (a resumed run's state loaded into it).
-
-        Kept out of Lightning's optimizers, its state travelling in ``checkpoint["trace"]``:
-        the predictor is updated identically on every rank outside any strategy wrapper, and
-        FSDP's sharded checkpoints would restore its state as shards of a model FSDP does not
-        own; a 16-mixed loss scaler would unscale (and step on) gradients it never scaled.
-        """
-        if self._predictor_opt is None:
-            opt = torch.optim.AdamW(self.predictor.parameters(), lr=self.hparams.predictor_lr)
-            if self._predictor_opt_restore is not None:
-                opt.load_state_dict(self._predictor_opt_restore)
-                self._predictor_opt_restore = None
-                for group in opt.param_groups:  # this run's lr, as for the policy
-                    group["lr"] = self.hparams.predictor_lr
-            self._predictor_opt = opt
-        return self._predictor_opt
 
     # ---- called by the DataModule during the rollout phase ------------------------------
     def sync_to_engine(self, engine, probe: list[list[int]], atol: float,
@@ -370,72 +340,31 @@ class TraceModule(L.LightningModule):
     @property
     def reads_prompt_features(self) -> bool:
         """Whether the featuriser appends the task's description of each prompt."""
-        return self.featuriser.task_features > 0
+        return self.predictor_life.reads_prompt_features
 
-    @torch.no_grad()
+    @property
+    def predictor_nodes_seen(self) -> int:
+        """Tree nodes the predictor has learnt from (the allocator's cold start)."""
+        return self.predictor_life.nodes_seen
+
     def predict_trees(self, trees: list[RolloutTree]) -> None:
-        """Set ``node.prediction`` on every root and non-leaf turn of ``trees``.
-
-        The features are kept for the step's ``receive_step``, and a path whose nodes all
-        have one already is not run again (stage 2 predicts trees whose roots stage 1 did)."""
-        feats = self.featuriser.nodes(self.policy, trees, known=self._known_features())
-        self._step_features = (self.global_step, feats)
-        predict_nodes(self.predictor, trees, feats)
-        if self.posterior is not None:
-            self.posterior.adjust(trees)
-        if self.history is not None:
-            self.history.adjust(trees, self.current_epoch)
-
-    def _known_features(self) -> dict:
-        """This step's features so far (computed with the current weights), or none."""
-        known = self._step_features
-        return known[1] if known is not None and known[0] == self.global_step else {}
+        """Set ``node.prediction`` on every root and non-leaf turn of ``trees``."""
+        self.predictor_life.predict(self.predictor, self.policy, trees, self.global_step,
+                                    self.current_epoch)
 
     def receive_step(self, step: RolloutStep) -> None:
         """Take the step's finished trees; the predictor learns from them once the update
-        has run (``train_predictor``, at the end of the step's last mini-batch, which the
-        DataModule marks ``step_end``).
+        has run (at the end of the step's last mini-batch; ``PredictorLife.receive``)."""
+        self.predictor_life.receive(step, self.global_step)
 
-        Waiting costs the predictor nothing and saves a forward pass: the features of the
-        nodes the rollout's predictions did not featurise (the continuations) are read from
-        the update's own packed forwards (``take_node_features`` on the hidden states that
-        feed the LM head), at the weights of their mini-batch. The predictor is fitted on
-        these weights' features and first used after the update anyway."""
-        self._pending = (step, self._known_features(), {})
-        self._step_features = None
-
-    def train_predictor(self, step: RolloutStep, known: dict | None = None,
-                        hidden: dict | None = None) -> None:
-        """Train the predictor on the step's tree values (all ranks' nodes) plus replay.
-
-        ``known``: features the rollout's predictions computed; ``hidden``: final hidden
-        states the update's forwards read (see ``receive_step``). Only the nodes in neither
-        run through the policy, at its weights after the update: with tree packing none
-        (every node is in some mini-batch) unless a run resumed mid-step skipped some;
-        per-leaf rows read no nodes."""
-        tic = time.perf_counter()
-        with torch.no_grad():
-            feats = self.featuriser.nodes(self.policy, step.trees, known=known, hidden=hidden)
-        batch = all_gather_batch(training_batch(step.trees, feats), self.trainer)
-        self.replay.add(batch)
-        self.predictor_nodes_seen += len(batch.value)
-        if self.history is not None:
-            self.history.record(all_gather_list(
-                PromptHistory.outcomes_of(step.trees, step.epoch), self.trainer))
-        gen = torch.Generator().manual_seed(1000 * self.current_epoch + 17)
-        h = self.hparams
-        self._predictor_stats = fit_predictor(self.predictor, self.predictor_optimizer(),
-                                              self.replay,
-                                              h.predictor_epochs, h.predictor_batch_size,
-                                              generator=gen, holdout=h.predictor_holdout)
-        if self.history is not None:
-            self._predictor_stats["predictor/history_prompts"] = float(len(self.history))
-        if self.posterior is not None:
-            self._predictor_stats.update(self.posterior.fit(
-                all_gather_list(self.posterior.scored(step.trees), self.trainer)))
-        if self._trainer is not None:  # once per RL step (self.log would repeat it per step)
-            log_scalars(self.trainer, {**self._predictor_stats,
-                                       "perf/predictor_fit_s": time.perf_counter() - tic})
+    def fit_predictor(self) -> None:
+        """The predictor learns from the received step (``PredictorLife.fit``), on every
+        rank; the figures are logged once per RL step."""
+        logged = self.predictor_life.fit(self.predictor, self.policy,
+                                         self.trainer if self._trainer is not None else None,
+                                         self.current_epoch)
+        if logged and self._trainer is not None:
+            log_scalars(self.trainer, logged)
 
     # ---- training -----------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -459,8 +388,7 @@ class TraceModule(L.LightningModule):
         # the rollouts' sampling temperature: their log-probs are the engine's at it
         tau = float(batch.get("temperature", 1.0))
         # the nodes' final hidden states, for the predictor's fit after the update
-        read = (self._pending[2] if self._pending is not None
-                and self.featuriser.kind == "hidden" else None)
+        read = self.predictor_life.update_features()
         for mb in batch["micro"]:
             logp, entropy = self._logprobs(self.policy, mb, with_entropy=True,
                                            temperature=tau, features=read)  # (B, T) each
@@ -521,10 +449,11 @@ class TraceModule(L.LightningModule):
                 scheduler.step()
         grad_norm = self._grad_norm
         opt.zero_grad(set_to_none=True)
-        if batch.get("step_end") and self._pending is not None:
-            step, known, hidden = self._pending
-            self._pending = None
-            self.train_predictor(step, known, hidden)
+        if self._trainer is not None and batch_idx == self.trainer.num_training_batches - 1:
+            # the step's last mini-batch (one epoch is one RL step): the predictor learns
+            # from the step now that its update has run, inside the batch, so the batch's
+            # time counts it (perf/train_s) and any checkpoint after it holds the fit
+            self.fit_predictor()
         tokens, total_loss = values.pop("tokens"), values.pop("loss")
         ratio_max = values.pop("ratio_max")
         metrics = {(k if "/" in k else f"train/{k}"): v / max(tokens, 1.0)
@@ -611,21 +540,19 @@ class TraceModule(L.LightningModule):
 
     # ---- checkpoint: predictor replay and counters --------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["trace"] = {"replay": self.replay.state_dict(),
-                               "predictor_nodes_seen": self.predictor_nodes_seen,
-                               "predictor_stats": self._predictor_stats,
-                               "predictor_optimizer": (self._predictor_opt_restore
-                                                       if self._predictor_opt is None
-                                                       else self._predictor_opt.state_dict()),
-                               "history": (self.history.state_dict()
-                                           if self.history is not None else None),
-                               "posterior": (self.posterior.state_dict()
-                                             if self.posterior is not None else None)}
+        checkpoint["trace"] = self.predictor_life.state_dict()
 
-    def new_predictor(self, config) -> SuccessPredictor:
-        """A fresh predictor for a policy of this ``config`` (its width is the featuriser's)."""
-        return SuccessPredictor(self.featuriser.feature_dim(config),
-                                hidden=self.hparams.predictor_hidden)
+    def check_checkpoint(self, path: str, meta: dict, policy_dir: str, fitting: bool) -> None:
+        """A ValueError naming the settings when the checkpoint at ``path`` (``meta``: read
+        without its tensors) does not hold what this run loads: its predictor's shapes
+        first, then every key, shape, record and value (``checkpoints.check_checkpoint``)."""
+        self.check_checkpoint_predictor(meta.get("state_dict", {}))
+        h = self.hparams
+        check_checkpoint(path, meta, policy_dir, fitting,
+                         new_predictor=self.predictor_life.new_predictor,
+                         reference=h.kl_coef > 0,
+                         settings=f"--model.policy_path {h.policy_path!r}, --model.kl_coef "
+                                  f"{h.kl_coef}, --model.featuriser, --model.predictor_hidden")
 
     def check_checkpoint_predictor(self, state_dict: dict) -> None:
         """The predictor in a checkpoint's ``state_dict`` has this run's shapes; otherwise a
@@ -635,9 +562,9 @@ class TraceModule(L.LightningModule):
         prefix = "predictor."
         if self.predictor is None:
             config = (AutoConfig.from_pretrained(os.path.expanduser(self.hparams.policy_path))
-                      if self.featuriser.kind == "hidden" else None)
+                      if self.predictor_life.featuriser.kind == "hidden" else None)
             with torch.device("meta"):
-                predictor = self.new_predictor(config)
+                predictor = self.predictor_life.new_predictor(config)
         else:
             predictor = self.predictor
         mine = {prefix + k: tuple(v.shape) for k, v in predictor.state_dict().items()}
@@ -657,24 +584,12 @@ class TraceModule(L.LightningModule):
         # (FSDP's strategy consumes "state_dict" itself when validating: nothing to redo)
         prefix = "predictor."
         self.check_checkpoint_predictor(checkpoint.get("state_dict", {}))
-        self._step_features = None  # features of the weights before these
         if next(self.predictor.parameters()).dtype != torch.float32:
             self._predictor_restore = {k[len(prefix):]: v.clone() for k, v in
                                        checkpoint.get("state_dict", {}).items()
                                        if k.startswith(prefix)} or None
-        state = checkpoint["trace"]
-        opt_state = state.get("predictor_optimizer")
-        if opt_state is None and len(checkpoint.get("optimizer_states", [])) == 2:
-            opt_state = checkpoint["optimizer_states"].pop()  # saved as Lightning's second
-        if opt_state is not None:  # loaded on first use
-            self._predictor_opt, self._predictor_opt_restore = None, opt_state
-        self.replay.load_state_dict(state["replay"])
-        self.predictor_nodes_seen = state["predictor_nodes_seen"]
-        self._predictor_stats = state["predictor_stats"]
-        if self.history is not None and state.get("history") is not None:
-            self.history.load_state_dict(state["history"])
-        if self.posterior is not None and state.get("posterior") is not None:
-            self.posterior.load_state_dict(state["posterior"])
+        self.predictor_life.load_state_dict(checkpoint["trace"],
+                                            checkpoint.get("optimizer_states"))
 
 
 def compile_decoder_layers(model: PreTrainedModel) -> int:

@@ -11,7 +11,7 @@
 The warm start demonstrates problems of a third seed (``warm_seed``), so neither the RL
 problems nor the held-out ones were demonstrated. A build is skipped when the manifest holds
 the same settings and every file exists; any other setting rebuilds everything, the new
-model trained in ``model.partial/`` and swapped in by renames (``export.replace_dir``) only
+model trained in ``model.partial/`` and swapped in by renames (``folders.replace_dir``) only
 once it is complete, under the search demo's build lock (one builder per ``out_dir``), in a
 process with pinned CPU kernels (``tasks.build.call_pinned``: the same policy on every
 x86-64 CPU of one vendor).
@@ -33,7 +33,7 @@ from trace_lightning.tasks.calc.problems import MAX_OPS, Problem, generate_probl
 from trace_lightning.tasks.calc.task import CALC_INSTRUCTION, CalcTask, check_settings
 from trace_lightning.tasks.calc.warm_start import calc_tokenizer, warm_start
 from trace_lightning.tasks.build import call_pinned, exclusive, kernels
-from trace_lightning.training.export import replace_dir
+from trace_lightning.folders import replace_dir
 
 log = logging.getLogger(__name__)
 

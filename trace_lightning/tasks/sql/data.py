@@ -13,7 +13,7 @@ The warm start demonstrates questions on a third set of databases (``warm_seed``
 neither the RL questions' rows nor the held-out ones were demonstrated. A build is skipped
 when the manifest holds the same settings and every file exists; any other setting rebuilds
 everything, the new model trained in ``model.partial/`` and swapped in by renames
-(``export.replace_dir``) only once it is complete, under a build lock (one builder per
+(``folders.replace_dir``) only once it is complete, under a build lock (one builder per
 ``out_dir``), in a process with pinned CPU kernels (``tasks.build.call_pinned``). Nothing but
 the build writes a database; the task opens them read-only.
 """
@@ -44,7 +44,7 @@ from trace_lightning.tasks.sql.task import (
 )
 from trace_lightning.tasks.sql.warm_start import sql_tokenizer, trajectory_text, warm_start
 from trace_lightning.tasks.sql.world import FAMILIES, build_database
-from trace_lightning.training.export import replace_dir
+from trace_lightning.folders import replace_dir
 
 log = logging.getLogger(__name__)
 

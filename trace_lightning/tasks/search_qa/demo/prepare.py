@@ -41,7 +41,7 @@ from trace_lightning.tasks.build import call_pinned, exclusive, kernels
 from trace_lightning.tasks.search_qa.demo.warm_start import warm_start
 from trace_lightning.tasks.search_qa.demo.world import World, generate_world, vocabulary_text
 from trace_lightning.tasks.search_qa.environment import SearchEnvironment
-from trace_lightning.training.export import replace_dir
+from trace_lightning.folders import replace_dir
 from trace_lightning.jsonl import write_records
 from trace_lightning.models import build_tiny_model, train_tokenizer
 from trace_lightning.tasks.search_qa.tiny_policy import AGENT_TAGS
