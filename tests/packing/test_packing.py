@@ -98,9 +98,9 @@ def test_collate_rejects_policy_first_token():
 
 
 def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
-    from types import SimpleNamespace
-
+    """The step's per-leaf mini-batches (``training.batches``, ``tree_packing`` off)."""
     from trace_lightning.rollout.step import RolloutStep
+    from trace_lightning.training.batches import step_minibatches
     from trace_lightning.tree import Budget
 
     seqs = skewed(n=12)
@@ -108,10 +108,8 @@ def test_ppo_epochs_pass_over_every_leaf_each_time_in_fresh_splits():
         s.token_advantages = [(k - 5.5) + 0.01 * t for t in range(len(s.input_ids))]
     step = RolloutStep(epoch=3, trees=[], candidates=12, root_plan=[1] * 12, sequences=seqs,
                        budget=Budget(leaves=12))
-    dm = search_datamodule(train="unused.jsonl", corpus="unused.jsonl", minibatches_per_step=2,
-                         ppo_epochs=3, tree_packing=False)
-    dm.tokenizer = SimpleNamespace(pad_token_id=0)
-    batches = dm._batches(step)
+    batches = step_minibatches(step, pad=0, minibatches=2, ppo_epochs=3, max_tokens=8192,
+                               tree_packing=False, temperature=1.0)
     assert len(batches) == 6  # 2 mini-batches x 3 passes, one optimizer step each
 
     def ids(batch):  # the first token of each row names its sequence (k + 3)
