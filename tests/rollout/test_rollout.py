@@ -972,7 +972,7 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
     engine = RecordingEngine(vllm_scripted)
     counted = []  # the step's progress (leaves finished): probes are not among them
     probing = AgentLoop(engine, env, SAMPLING, on_leaves=counted.append)
-    predict = oracle_predict(probing, samples=200, seed=0)
+    predict = oracle_predict(probing, samples=100, seed=0)
     predict(trees)
     assert [signature(t) for t in trees] == shapes  # probes are separate trees
     assert counted == [] and probing.on_leaves == counted.append
@@ -983,7 +983,9 @@ def test_oracle_predict_estimates_success_by_extra_rollouts(vllm_scripted, retri
             by_depth.setdefault(n.depth, []).append(n.prediction)
     assert sorted(by_depth) == [0, 1, 2], "8 rollouts of p(search) 3/4 reach depth 2"
     for depth, want in {0: 0.2891, 1: 0.2188, 2: 0.125}.items():
-        got = sum(by_depth[depth]) / len(by_depth[depth])  # >= 200 samples each: sd <= 0.032
+        # 100 samples a node, at least 2 nodes: >= 200 samples a depth, sd <= 0.036
+        assert len(by_depth[depth]) >= 2, (depth, by_depth[depth])
+        got = sum(by_depth[depth]) / len(by_depth[depth])
         assert got == pytest.approx(want, abs=0.08), (depth, by_depth[depth])
     assert all(n.prediction == 0.0 for n in [trees[-1].root, *trees[-1].prefixes()])
     calls = len(engine.calls)
