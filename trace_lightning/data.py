@@ -214,7 +214,7 @@ class TraceDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         raise_together(self._prepare_error, self._any_failed,
                        "preparing the data (prepare_data)")
-        with fail_together("setting up the data (files, retriever, corpora, checkpoint)",
+        with fail_together("setting up the data (the task's files and resources, the checkpoint)",
                            self._any_failed):
             self._setup(stage)
         self._agree_on_checkpoint()
@@ -252,8 +252,8 @@ class TraceDataModule(L.LightningDataModule):
                 f"--trainer.limit_val_batches ({limit}): validation rolls out all of each "
                 f"set's questions before scoring a batch, so a share of the batches would "
                 f"waste the rest (and can leave one process with none, which stops alone); "
-                f"limit the task's questions instead (search QA: the `limit` of each "
-                f"--data.task.init_args.val set), or leave it at 1.0")
+                f"limit the task's validation questions instead (its settings under "
+                f"--data.task.init_args), or leave it at 1.0")
 
     def _agree_on_checkpoint(self) -> None:
         """Every process loads the same checkpoint (``expect_checkpoint``), or none does."""

@@ -25,14 +25,6 @@ def tokenizer(model_dir):
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(model_dir):
-    engine = build_engine("vllm", model_dir, enforce_eager=True, kv_cache_memory_gb=0.25,
-                          max_model_len=512, block_size=32)
-    yield engine
-    engine.close()  # and the process group vLLM started: later modules start their own
-
-
-@pytest.fixture(scope="module")
 def hf_engine(model_dir):
     return build_engine("hf", model_dir, batch_size=16)
 

@@ -27,14 +27,6 @@ def model_dir(tmp_path_factory):
     return tiny_policy(tmp_path_factory.mktemp("tiny-sync"), vocab_size=512, seed=4)
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(model_dir):
-    engine = build_engine("vllm", model_dir, enforce_eager=True, kv_cache_memory_gb=0.25,
-                          max_model_len=512, block_size=32)
-    yield engine
-    engine.close()  # and the process group vLLM started: later modules start their own
-
-
 @pytest.fixture
 def policy(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
