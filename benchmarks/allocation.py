@@ -73,6 +73,7 @@ from trace_lightning.rollout.engines import build_engine  # noqa: E402
 from trace_lightning.rollout.engines.base import SamplingConfig  # noqa: E402
 from trace_lightning.tasks.search_qa.environment import SearchEnvironment  # noqa: E402
 from trace_lightning.allocation.history import PromptHistory  # noqa: E402
+from trace_lightning.allocation.neighbours import RootNeighbours, root_rows  # noqa: E402
 from trace_lightning.allocation.posterior import PrefixPosterior  # noqa: E402
 from trace_lightning.allocation.trust import outcomes  # noqa: E402
 from trace_lightning.allocation.features import Featuriser  # noqa: E402
@@ -127,6 +128,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="PromptHistory(belief=True), as configs/demo.yaml: the root solver gets "
                         "each posterior as a belief worth strength + n rollouts "
                         "(--no-history-belief: the mean, as exact)")
+    p.add_argument("--neighbours", type=int, default=0,
+                   help="RootNeighbours k: root predictions become posteriors given the outcomes "
+                        "of the k most similar prompts rolled out before (0: off, as "
+                        "configs/demo.yaml; configs/hotpotqa_qwen3.yaml sets 25)")
+    p.add_argument("--neighbours-strength", type=float, default=4.0)
     p.add_argument("--pool", type=int, default=0,
                    help="draw candidates from the first POOL training questions (0: all), so "
                         "prompts recur across steps as in multi-epoch training")
@@ -144,8 +150,10 @@ class OnlinePredictor:
     """The shared predictor outside Lightning: features from the policy, online fitting."""
 
     def __init__(self, policy, seed: int, featuriser: str = "hidden", shrink: float = 1.0,
-                 history: PromptHistory | None = None, prefix_outcomes: bool = False):
+                 history: PromptHistory | None = None, prefix_outcomes: bool = False,
+                 neighbours: RootNeighbours | None = None):
         self.policy, self.shrink, self.history = policy, shrink, history
+        self.neighbours = neighbours
         self.posterior = PrefixPosterior(window=4) if prefix_outcomes else None
         self.step = 0
         self.featuriser = Featuriser(featuriser)
@@ -157,7 +165,10 @@ class OnlinePredictor:
 
     @torch.no_grad()
     def predict(self, trees) -> None:
-        predict_nodes(self.model, trees, self.featuriser.nodes(self.policy, trees))
+        feats = self.featuriser.nodes(self.policy, trees)
+        predict_nodes(self.model, trees, feats)
+        if self.neighbours is not None:
+            self.neighbours.adjust(trees, feats)
         if self.shrink != 1.0:  # p <- m + shrink (p - m), m the mean prediction
             nodes = [n for t in trees for n in t.nodes if n.prediction is not None]
             m = sum(n.prediction for n in nodes) / max(len(nodes), 1)
@@ -181,6 +192,8 @@ class OnlinePredictor:
         self.nodes_seen += len(batch.value)
         if self.history is not None:
             self.history.record(PromptHistory.outcomes_of(step.trees, self.step))
+        if self.neighbours is not None:
+            self.neighbours.record(root_rows(step.trees, feats))
         self.step += 1
         fit_predictor(self.model, self.opt, self.replay, epochs=20, batch_size=128,
                       generator=self.gen, holdout=0.2)
@@ -294,8 +307,10 @@ def main(argv=None) -> dict:
 
     history = (PromptHistory(args.history, args.history_decay, belief=args.history_belief)
                if args.history > 0 else None)
+    neighbours = (RootNeighbours(args.neighbours, args.neighbours_strength)
+                  if args.neighbours > 0 else None)
     predictor = OnlinePredictor(policy, args.seed, args.featuriser, args.shrink, history,
-                                args.prefix_outcomes)
+                                args.prefix_outcomes, neighbours)
     tic = time.perf_counter()
     for w in range(args.warmup_steps):  # uniform rollouts teach the predictor (cold start)
         step = collect_step(loop, allocator("uniform"), draw(),

@@ -41,8 +41,9 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
     # this small world's policy never succeeds, so the advantages are zero: weight decay moves
     # the policy off the KL reference, and the KL term then gives AdamW moments that the
     # resumed run must restore to end with the same weights)
+    # (and root neighbours, whose memory must come back from the checkpoint too)
     warmup = ("--model.lr=2e-4", "--model.lr_warmup_steps=3", "--model.weight_decay=0.1",
-              "--model.kl_coef=0.5")
+              "--model.kl_coef=0.5", "--model.neighbours.k=4")
     a = tmp_path / "a"
     from trace_lightning.training.module import TraceModule
 
@@ -81,9 +82,10 @@ def test_fit_then_resume_continues_as_if_never_stopped(demo_dir, tmp_path, caplo
     # the same predictions steered them: the predictor, its replay and the prompt history
     # (demo.yaml sets model.history) came back from the checkpoint
     assert [t.root.prediction for t in ta] == pytest.approx([t.root.prediction for t in tb])
-    history = torch.load(ckpt, weights_only=False)["trace"]["history"]  # B's first run
+    saved = torch.load(ckpt, weights_only=False)["trace"]  # B's first run
     epoch0 = list(read_jsonl(b / "trees" / "epoch_0_rank_0.jsonl"))
-    assert set(history["counts"]) == {t.tree_id for t in epoch0}
+    assert set(saved["history"]["counts"]) == {t.tree_id for t in epoch0}
+    assert sorted(saved["neighbours"]["ids"]) == sorted(t.tree_id for t in epoch0)
     sa, sb = scalars(a), scalars(b)
     for key in ("train/loss", "rollout/reward_mean", "alloc/leaves", "val/em",
                 "alloc/prompts_distinct"):

@@ -7,27 +7,9 @@ import pytest
 from trace_lightning.allocation.history import PromptHistory
 from trace_lightning.tree import RolloutTree
 
+from builders.trees import tree_with_continuations
+
 KW = dict(token_ids=[7], logprobs=[-1.0], policy_mask=[1])
-
-
-def tree_with_continuations(tree_id: str = "q1") -> RolloutTree:
-    """Two bare rollouts, then continuations added as stage 2 would (later children)::
-
-        root ─ a (rollout 0) ─ a1 leaf r=0      <- bare path of rollout 0
-               │              └ a2 leaf r=1      (continuation from a)
-               └ b (rollout 1) ─ b1 leaf r=1    <- bare path of rollout 1
-                                 └ b2 leaf r=1   (continuation from b)
-               └ c (rollout 2) leaf r=0          (an extra bare rollout: single turn)
-    """
-    t = RolloutTree.new(tree_id, "q?", ["x"], [1, 2])
-    a = t.add_child(0, rollout=0, **KW)
-    b = t.add_child(0, rollout=1, **KW)
-    t.add_child(a.id, finished=True, reward=0.0, **KW)
-    t.add_child(b.id, finished=True, reward=1.0, **KW)
-    t.add_child(a.id, finished=True, reward=1.0, **KW)  # continuation
-    t.add_child(b.id, finished=True, reward=1.0, **KW)  # continuation
-    t.add_child(0, rollout=2, finished=True, reward=0.0, **KW)
-    return t
 
 
 def test_outcomes_count_bare_rollouts_only():

@@ -47,12 +47,13 @@ def results_dir(allocation, tmp_path, monkeypatch) -> Path:
 def test_allocation_quick_mode_end_to_end(allocation, demo_dir, results_dir, capsys):
     kinds = ["uniform", "random_tree", "prompt", "trace", "oracle"]
     result = allocation.main(["--quick", f"--demo-dir={demo_dir}", "--roots=8",
-                              "--candidates=16", "--oracle-samples=2"])
+                              "--candidates=16", "--oracle-samples=2", "--neighbours=4"])
     assert not results_dir.exists()
     line = published(capsys)
     assert line["world"]["dir"] == str(demo_dir)  # the demo world's fingerprint
     assert line["world"]["policy_sha256"] and line["machine"]["cpus"] > 0
     assert line["config"]["steps"] == 2 and line["config"]["warmup_steps"] == 2
+    assert line["config"]["neighbours"] == 4
     assert list(line["allocators"]) == kinds
     for kind, row in line["allocators"].items():
         assert row == pytest.approx(result["allocators"][kind], nan_ok=True)

@@ -1,5 +1,5 @@
-"""Rollout trees and leaf sequences built by hand, shared by the tests of packing, training
-and the training step's statistics."""
+"""Rollout trees and leaf sequences built by hand, shared by the tests of packing, training,
+allocation and the training step's statistics."""
 
 from __future__ import annotations
 
@@ -96,4 +96,27 @@ def chain_tree(tree_id: str, rewards: list[float], turns: int | list[int] = 1,
                                logprobs=[-0.1], policy_mask=[1], finished=last,
                                reward=r if last else None, prediction=None if last else prefix_p)
             parent = node.id
+    return t
+
+
+_KW = dict(token_ids=[7], logprobs=[-1.0], policy_mask=[1])
+
+
+def tree_with_continuations(tree_id: str = "q1") -> RolloutTree:
+    """Two bare rollouts, then continuations added as stage 2 would (later children)::
+
+        root ─ a (rollout 0) ─ a1 leaf r=0      <- bare path of rollout 0
+               │              └ a2 leaf r=1      (continuation from a)
+               └ b (rollout 1) ─ b1 leaf r=1    <- bare path of rollout 1
+                                 └ b2 leaf r=1   (continuation from b)
+               └ c (rollout 2) leaf r=0          (an extra bare rollout: single turn)
+    """
+    t = RolloutTree.new(tree_id, "q?", ["x"], [1, 2])
+    a = t.add_child(0, rollout=0, **_KW)
+    b = t.add_child(0, rollout=1, **_KW)
+    t.add_child(a.id, finished=True, reward=0.0, **_KW)
+    t.add_child(b.id, finished=True, reward=1.0, **_KW)
+    t.add_child(a.id, finished=True, reward=1.0, **_KW)  # continuation
+    t.add_child(b.id, finished=True, reward=1.0, **_KW)  # continuation
+    t.add_child(0, rollout=2, finished=True, reward=0.0, **_KW)
     return t

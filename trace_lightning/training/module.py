@@ -3,8 +3,9 @@
 The policy is any transformers causal LM, built in ``configure_model`` so FSDP can shard it.
 The predictor ``V(H)`` steers allocation only: it trains on each step's bottom-up tree values
 (with a replay of recent steps) by its own optimizer and never enters the policy gradient.
-With ``history`` set, the root predictions of prompts rolled out before are updated by their
-own past outcomes (``PromptHistory``).
+With ``neighbours`` set, root predictions are updated by the outcomes of the most similar
+prompts rolled out before (``RootNeighbours``); with ``history``, those of prompts rolled out
+before by their own past outcomes (``PromptHistory``).
 
 Optimisation is manual: one ``training_step`` is one mini-batch of the step's trees, each
 forwarded once (``tree_packing``; or of loose leaves, one row each), split into token-packed
@@ -27,6 +28,7 @@ from trace_lightning.math.advantage import ADVANTAGE_KINDS, AdvantageKind
 from trace_lightning.rollout.step import RolloutStep
 from trace_lightning.rollout.engines.sync import sync_weights
 from trace_lightning.allocation.history import PromptHistory
+from trace_lightning.allocation.neighbours import RootNeighbours
 from trace_lightning.logs import log_scalars
 from trace_lightning.math.loss import selected_token_logprobs, weighted_policy_loss
 from trace_lightning.allocation.features import Featuriser, take_node_features
@@ -101,6 +103,9 @@ class TraceModule(L.LightningModule):
         replay_steps: steps of tree nodes kept for the predictor.
         history: update root predictions with each prompt's own past outcomes (a
             ``PromptHistory``: prompts revisited across epochs); None: the predictor alone.
+        neighbours: update root predictions with the outcomes of the most similar prompts
+            rolled out before (a ``RootNeighbours``: prompts never seen, as in one pass over
+            a large set); None: the predictor alone.
         prefix_outcomes: update each prefix's prediction with what stage 2 has seen of its
             prompt: its own bare rollout's reward and its siblings' (a ``PrefixPosterior``
             fitted on the last ``replay_steps`` steps' continuations); False: the predictor
@@ -147,7 +152,7 @@ class TraceModule(L.LightningModule):
                  predictor_lr: float = 1e-3, predictor_epochs: int = 4,
                  predictor_batch_size: int = 256, predictor_holdout: float = 0.2,
                  replay_steps: int = 4, history: PromptHistory | None = None,
-                 prefix_outcomes: bool = False,
+                 neighbours: RootNeighbours | None = None, prefix_outcomes: bool = False,
                  gradient_checkpointing: bool = False, lr_warmup_steps: int = 0,
                  compile_layers: bool = False, tree_packing: bool = True,
                  attention: AttentionKind = "auto", rollout_is: RolloutIS | None = None,
@@ -188,12 +193,14 @@ class TraceModule(L.LightningModule):
         if dual_clip is not None and not dual_clip > 1.0:
             raise ValueError(f"--model.dual_clip ({dual_clip}) must be > 1 (verl uses 3.0) or "
                              f"null (off)")
-        self.save_hyperparameters(ignore=["featuriser", "history"])
+        self.save_hyperparameters(ignore=["featuriser", "history", "neighbours"])
         self.automatic_optimization = False
-        # the predictor's features, replay, history, posterior, optimizer and counters
+        # the predictor's features, replay, neighbours, history, posterior, optimizer and
+        # counters
         self.predictor_life = PredictorLife(
             featuriser or Featuriser(), predictor_hidden, predictor_lr, predictor_epochs,
-            predictor_batch_size, predictor_holdout, replay_steps, history, prefix_outcomes)
+            predictor_batch_size, predictor_holdout, replay_steps, history, prefix_outcomes,
+            neighbours)
         self.policy: PreTrainedModel | None = None
         self.reference: PreTrainedModel | None = None
         self.predictor: SuccessPredictor | None = None

@@ -3,14 +3,15 @@ rollout, what it learns after the update, its optimizer, and what of it a checkp
 
 ``TraceModule`` owns the predictor itself (an ``nn.Module``, so its weights travel in the
 module's state dict as ``predictor.*``) and one ``PredictorLife`` for the rest: the
-featuriser, the replay of recent steps' nodes, the prompt history, the prefix posterior, the
-predictor's own AdamW and its counters. The predictor steers allocation only; it never
+featuriser, the replay of recent steps' nodes, the root neighbours' memory, the prompt
+history, the prefix posterior, the predictor's own AdamW and its counters. The predictor steers allocation only; it never
 enters the policy gradient.
 
 One step's order:
 
 1. ``predict``: during the rollout, features of the trees' nodes (kept for the fit) and
-   the predictions, adjusted by the prefix posterior and the prompt history.
+   the predictions, adjusted by the root neighbours, the prefix posterior and the prompt
+   history, in that order.
 2. ``receive``: the step's finished trees, to learn from after the update.
 3. ``update_features``: the update's packed forwards read the final hidden states of the
    nodes the predictions did not featurise (the continuations) into this dict: the fit's
@@ -27,6 +28,7 @@ import torch
 
 from trace_lightning.allocation.features import Featuriser
 from trace_lightning.allocation.history import PromptHistory
+from trace_lightning.allocation.neighbours import RootNeighbours, root_rows
 from trace_lightning.allocation.posterior import PrefixPosterior
 from trace_lightning.allocation.predictor import (ReplayBuffer, SuccessPredictor, fit_predictor,
                                                   predict_nodes, training_batch)
@@ -51,15 +53,19 @@ class PredictorLife:
         history: update root predictions with each prompt's own past outcomes (None: off).
         prefix_outcomes: update each prefix's prediction with its own bare rollout's and its
             siblings' outcomes (a ``PrefixPosterior`` over the last ``replay_steps`` steps).
+        neighbours: update root predictions with the outcomes of the most similar prompts
+            rolled out before (None: off).
     """
 
     def __init__(self, featuriser: Featuriser, hidden: int, lr: float, epochs: int,
                  batch_size: int, holdout: float, replay_steps: int,
-                 history: PromptHistory | None = None, prefix_outcomes: bool = False):
+                 history: PromptHistory | None = None, prefix_outcomes: bool = False,
+                 neighbours: RootNeighbours | None = None):
         self.featuriser, self.hidden, self.lr = featuriser, hidden, lr
         self.epochs, self.batch_size, self.holdout = epochs, batch_size, holdout
         self.replay = ReplayBuffer(replay_steps)
         self.history = history
+        self.neighbours = neighbours
         self.posterior = PrefixPosterior(window=replay_steps) if prefix_outcomes else None
         self.nodes_seen = 0  # tree nodes the predictor has learnt from (the cold start)
         self.stats: dict[str, float] = {}  # the last fit's predictor/* figures
@@ -119,6 +125,8 @@ class PredictorLife:
         feats = self.featuriser.nodes(policy, trees, known=self._known(step))
         self._features = (step, feats)
         predict_nodes(predictor, trees, feats)
+        if self.neighbours is not None:
+            self.neighbours.adjust(trees, feats)
         if self.posterior is not None:
             self.posterior.adjust(trees)
         if self.history is not None:
@@ -168,12 +176,16 @@ class PredictorLife:
         if self.history is not None:
             self.history.record(all_gather_list(
                 PromptHistory.outcomes_of(rollout.trees, rollout.epoch), trainer))
+        if self.neighbours is not None:
+            self.neighbours.record(all_gather_list(root_rows(rollout.trees, feats), trainer))
         gen = torch.Generator().manual_seed(1000 * epoch + 17)
         self.stats = fit_predictor(predictor, self.optimizer(predictor), self.replay,
                                    self.epochs, self.batch_size, generator=gen,
                                    holdout=self.holdout)
         if self.history is not None:
             self.stats["predictor/history_prompts"] = float(len(self.history))
+        if self.neighbours is not None:
+            self.stats["predictor/neighbours_memory"] = float(len(self.neighbours))
         if self.posterior is not None:
             self.stats.update(self.posterior.fit(
                 all_gather_list(self.posterior.scored(rollout.trees), trainer)))
@@ -189,7 +201,9 @@ class PredictorLife:
                                         else self._opt.state_dict()),
                 "history": self.history.state_dict() if self.history is not None else None,
                 "posterior": (self.posterior.state_dict()
-                              if self.posterior is not None else None)}
+                              if self.posterior is not None else None),
+                "neighbours": (self.neighbours.state_dict()
+                               if self.neighbours is not None else None)}
 
     def load_state_dict(self, state: dict, optimizer_states: list | None = None) -> None:
         """Restore ``state_dict``'s; ``optimizer_states``: the checkpoint's Lightning
@@ -207,3 +221,5 @@ class PredictorLife:
             self.history.load_state_dict(state["history"])
         if self.posterior is not None and state.get("posterior") is not None:
             self.posterior.load_state_dict(state["posterior"])
+        if self.neighbours is not None and state.get("neighbours") is not None:
+            self.neighbours.load_state_dict(state["neighbours"])
