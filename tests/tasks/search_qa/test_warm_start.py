@@ -194,31 +194,6 @@ def test_warm_start_over_several_worlds(tmp_path, tokenizer, env):
     assert stats["n_demos"] == 12 and stats["n_dropped"] == 0 and stats["demo_reward"] == 1.0
 
 
-def test_prepare_demo_writes_loadable_files_and_is_idempotent(tmp_path):
-    kwargs = dict(n_questions=20, n_eval_questions=10, warm_worlds=2, warm_questions=10,
-                  vocab_size=400,
-                  model=MODEL, warm_start_steps=2, warm_start_batch=4, **SIZES)
-    paths = prepare_demo(tmp_path / "demo", **kwargs)
-    assert paths == DemoPaths.under(tmp_path / "demo")
-    manifest = json.loads(paths.manifest.read_text())
-    assert manifest["settings"]["instruction"] == DEMO_INSTRUCTION
-    # The standard loaders read every file.
-    train, held_out = load_qa(paths.train_qa), load_qa(paths.eval_qa)
-    assert len(train) == 20 and len(held_out) == 10
-    corpus = {p.title for p in load_corpus(paths.train_corpus)}
-    assert all(set(q.extras["supporting_titles"]) <= corpus for q in train)
-    assert {p.title for p in load_corpus(paths.eval_corpus)} != corpus
-    AutoModelForCausalLM.from_pretrained(paths.model)
-    # Same settings: nothing is redone.
-    stamp = (paths.model / "model.safetensors").stat().st_mtime_ns
-    prepare_demo(tmp_path / "demo", **kwargs)
-    assert (paths.model / "model.safetensors").stat().st_mtime_ns == stamp
-    # Another setting: rebuilt.
-    prepare_demo(tmp_path / "demo", **{**kwargs, "warm_start_steps": 1})
-    assert (paths.model / "model.safetensors").stat().st_mtime_ns != stamp
-    assert json.loads(paths.manifest.read_text())["settings"]["warm_start_steps"] == 1
-
-
 def _demo_kwargs(**over) -> dict:
     return dict(n_questions=20, n_eval_questions=10, warm_worlds=2, warm_questions=10,
                 vocab_size=400, model=MODEL, warm_start_steps=2, warm_start_batch=4,
@@ -313,9 +288,21 @@ def _build_process() -> int:
     return 0
 
 
-def test_prepare_demo_rebuild_keeps_the_old_world_until_the_new_one_is_complete(tmp_path):
+def test_prepare_demo_writes_loadable_files_and_rebuilds_only_when_complete(tmp_path):
+    """A built demo: every file loads; the same settings redo nothing; a rebuild killed
+    midway leaves the old world whole; a finished one swaps the new world in."""
     kwargs = _demo_kwargs()
     paths = prepare_demo(tmp_path / "demo", **kwargs)
+    assert paths == DemoPaths.under(tmp_path / "demo")
+    manifest = json.loads(paths.manifest.read_text())
+    assert manifest["settings"]["instruction"] == DEMO_INSTRUCTION
+    # The standard loaders read every file.
+    train, held_out = load_qa(paths.train_qa), load_qa(paths.eval_qa)
+    assert len(train) == 20 and len(held_out) == 10
+    corpus = {p.title for p in load_corpus(paths.train_corpus)}
+    assert all(set(q.extras["supporting_titles"]) <= corpus for q in train)
+    assert {p.title for p in load_corpus(paths.eval_corpus)} != corpus
+    AutoModelForCausalLM.from_pretrained(paths.model)
     files = [paths.train_qa, paths.eval_qa, paths.train_corpus, paths.eval_corpus,
              paths.manifest, *sorted(paths.model.iterdir())]
     before = {f: f.read_bytes() for f in files}
@@ -350,8 +337,10 @@ def test_prepare_demo_rebuild_keeps_the_old_world_until_the_new_one_is_complete(
     stamp = (paths.model / "model.safetensors").stat().st_mtime_ns
     prepare_demo(tmp_path / "demo", **kwargs)
     assert (paths.model / "model.safetensors").stat().st_mtime_ns == stamp
-    # A finished rebuild swaps the new model in and leaves no staging folders.
+    # A finished rebuild (another setting) swaps the new model in and leaves no staging
+    # folders.
     prepare_demo(tmp_path / "demo", **{**kwargs, "seed": 5, "eval_seed": 6})
+    assert (paths.model / "model.safetensors").stat().st_mtime_ns != stamp
     assert json.loads(paths.manifest.read_text())["settings"]["seed"] == 5
     assert paths.train_qa.read_bytes() != before[paths.train_qa]
     assert sorted(p.name for p in paths.root.iterdir()) == [
