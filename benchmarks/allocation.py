@@ -22,6 +22,11 @@ predictor's root predictions stand alone. The demo world holds too few questions
 people, 160 companies, 80 cities; its first questions in the demo's mix of types), built
 once under ``runs/bench/new_prompts_world``; the policy is the same.
 
+``trace_neighbours`` is trace whose root predictions are also updated by the outcomes of the
+``--neighbours`` most similar prompts rolled out before, as beliefs
+(``RootNeighbours``, ``--model.neighbours``), its memory filled from the steps the predictor
+learns from (trace's): the two differ in that alone, on the same candidates.
+
 Reported per allocator (means over steps):
 - effective ratio: share of prompts given budget whose tree holds a success and a failure;
 - mixed prompts: how many they are (the count the root solver maximises; the ratio divides
@@ -51,6 +56,7 @@ elsewhere gives others.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -85,7 +91,9 @@ from trace_lightning.rollout.agent import AgentLoop  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
 
-KINDS = ["uniform", "random_tree", "prompt", "trace", "oracle"]
+KINDS = ["uniform", "random_tree", "prompt", "trace", "trace_neighbours", "oracle"]
+# trace_neighbours: trace whose root predictions are also updated by the outcomes of the most
+# similar prompts rolled out before (RootNeighbours, --model.neighbours)
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
@@ -128,10 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="PromptHistory(belief=True), as configs/demo.yaml: the root solver gets "
                         "each posterior as a belief worth strength + n rollouts "
                         "(--no-history-belief: the mean, as exact)")
-    p.add_argument("--neighbours", type=int, default=0,
-                   help="RootNeighbours k: root predictions become posteriors given the outcomes "
-                        "of the k most similar prompts rolled out before (0: off, as "
-                        "configs/demo.yaml; configs/hotpotqa_qwen3.yaml sets 25)")
+    p.add_argument("--neighbours", type=int, default=25,
+                   help="k of kind trace_neighbours' RootNeighbours: its root predictions become "
+                        "beliefs given the outcomes of the k most similar prompts rolled out "
+                        "before, in the steps the predictor learns from")
     p.add_argument("--neighbours-strength", type=float, default=4.0)
     p.add_argument("--pool", type=int, default=0,
                    help="draw candidates from the first POOL training questions (0: all), so "
@@ -164,10 +172,10 @@ class OnlinePredictor:
         self.gen = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
-    def predict(self, trees) -> None:
+    def predict(self, trees, neighbours: bool = False) -> None:
         feats = self.featuriser.nodes(self.policy, trees)
         predict_nodes(self.model, trees, feats)
-        if self.neighbours is not None:
+        if neighbours:
             self.neighbours.adjust(trees, feats)
         if self.shrink != 1.0:  # p <- m + shrink (p - m), m the mean prediction
             nodes = [n for t in trees for n in t.nodes if n.prediction is not None]
@@ -299,7 +307,7 @@ def main(argv=None) -> dict:
         return [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
 
     def allocator(kind: str) -> Allocator:
-        return Allocator(kind, roots=args.roots, continuations=args.continuations,
+        return Allocator("trace" if kind == "trace_neighbours" else kind, roots=args.roots, continuations=args.continuations,
                          max_rollouts_per_prompt=args.max_rollouts, group_size=args.group_size,
                          explore_fraction=args.explore_fraction,
                          full_trust_skill=args.full_trust_skill or None,
@@ -307,6 +315,11 @@ def main(argv=None) -> dict:
 
     history = (PromptHistory(args.history, args.history_decay, belief=args.history_belief)
                if args.history > 0 else None)
+    kinds = args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or ("trace_neighbours" in kinds and args.neighbours < 1):
+        raise SystemExit(f"--kinds {args.kinds}: kinds are {', '.join(KINDS)}, and "
+                         f"trace_neighbours needs --neighbours >= 1 (got {args.neighbours})")
     neighbours = (RootNeighbours(args.neighbours, args.neighbours_strength)
                   if args.neighbours > 0 else None)
     predictor = OnlinePredictor(policy, args.seed, args.featuriser, args.shrink, history,
@@ -318,7 +331,6 @@ def main(argv=None) -> dict:
         predictor.learn(step)
     warmup_s = time.perf_counter() - tic
 
-    kinds = args.kinds.split(",")
     # one allocator per kind for the whole run: trust is earned over the steps
     allocators = {kind: allocator(kind) for kind in kinds}
     per_kind: dict[str, list[dict]] = {k: [] for k in kinds}
@@ -330,7 +342,8 @@ def main(argv=None) -> dict:
         for kind in kinds:
             tic = time.perf_counter()
             predict = (oracle_predict(loop, args.oracle_samples, seed=args.seed + 77 + s)
-                       if kind == "oracle" else predictor.predict)
+                       if kind == "oracle" else
+                       functools.partial(predictor.predict, neighbours=kind == "trace_neighbours"))
             allocators[kind].start_step(s)
             trust = {f"trust_{stage}": allocators[kind].weight(stage)  # what plans this step
                      for stage in ("roots", "prefixes")}

@@ -45,7 +45,7 @@ def results_dir(allocation, tmp_path, monkeypatch) -> Path:
 
 
 def test_allocation_quick_mode_end_to_end(allocation, demo_dir, results_dir, capsys):
-    kinds = ["uniform", "random_tree", "prompt", "trace", "oracle"]
+    kinds = ["uniform", "random_tree", "prompt", "trace", "trace_neighbours", "oracle"]
     result = allocation.main(["--quick", f"--demo-dir={demo_dir}", "--roots=8",
                               "--candidates=16", "--oracle-samples=2", "--neighbours=4"])
     assert not results_dir.exists()

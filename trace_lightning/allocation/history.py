@@ -122,13 +122,21 @@ class PromptHistory:
     def adjust(self, trees: Iterable[RolloutTree], step: int) -> None:
         """Replace each root's ``prediction`` by its posterior mean and, with ``belief``, set
         ``prediction_count`` to the rollouts it is worth, ``strength + n`` (roots without a
-        prediction are left); mark the roots of resting prompts (``Node.resting``)."""
+        prediction are left); mark the roots of resting prompts (``Node.resting``).
+
+        A count the prediction already carries (``RootNeighbours``' belief) stands in for
+        ``strength`` in it; without ``belief`` it is kept for a prompt never rolled out (no
+        evidence of its own) and dropped for the others (their posterior is exact)."""
         for t in trees:
             t.root.resting = self.resting(t.tree_id, step)
             if t.root.prediction is not None:
+                n = self.counts(t.tree_id, step)[1]
+                given = t.root.prediction_count
                 t.root.prediction = self.posterior(t.tree_id, t.root.prediction, step)
-                t.root.prediction_count = (self.strength + self.counts(t.tree_id, step)[1]
-                                           if self.belief else None)
+                if self.belief:
+                    t.root.prediction_count = (self.strength if given is None else given) + n
+                else:
+                    t.root.prediction_count = given if n == 0 else None
 
     def state_dict(self) -> dict:
         return {"strength": self.strength, "decay": self.decay, "belief": self.belief,
