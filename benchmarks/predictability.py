@@ -36,6 +36,17 @@ What each predictor reads (all of it available when the allocator asks):
 Scores on the held-out half: Brier skill against the empirical rate (``1 - Brier / Brier of
 the held-out mean``) and Spearman's rank correlation, roots and prefixes apart.
 
+And what a root reader buys where stage 1 spends it (``stage1``): from ``STAGE1_CANDIDATES``
+held-out prompts drawn at random, each reader opens the ``STAGE1_OPENED`` it values most for
+a group of ``STAGE1_GROUP`` rollouts, and the score is the chance that such a group is mixed
+(success and failure), averaged over the opened prompts and ``STAGE1_DRAWS`` draws, each
+prompt's chance computed exactly from its labelled rollouts (hypergeometric). A point reader
+values a prompt as the root solver does an exact prediction, ``1 - p^G - (1 - p)^G``;
+``neighbours`` is ``RootNeighbours`` over the training half as the root solver reads it
+(a belief, ``--model.neighbours``), ``neighbours_point`` its mean alone; ``random`` opens
+prompts at random (``uniform``'s and ``random_tree``'s stage 1), ``ceiling`` by the true
+chance.
+
     python benchmarks/predictability.py                       # both policies; ~17 min here
     python benchmarks/predictability.py --quick               # a small run (a test runs it)
 
@@ -326,6 +337,32 @@ def ceiling(y: np.ndarray, n: np.ndarray) -> float:
     return 1.0 - noise / spread if spread > 0 else float("nan")  # NaN: every rate equal
 
 
+STAGE1_CANDIDATES, STAGE1_OPENED, STAGE1_GROUP, STAGE1_DRAWS = 192, 32, 4, 50
+
+
+def mixed_chance(successes: np.ndarray, n: np.ndarray, group: int) -> np.ndarray:
+    """Chance that ``group`` of a prompt's ``n`` labelled rollouts, ``successes`` of them
+    right, drawn without replacement, hold a success and a failure: (N,)."""
+    from math import comb
+    return np.array([1 - (comb(int(k), group) + comb(int(m - k), group)) / comb(int(m), group)
+                     for k, m in zip(successes, n)])
+
+
+def stage1(values: dict[str, np.ndarray], chance: np.ndarray, seed: int) -> dict:
+    """Mean mixed chance of the prompts each reader's ``values`` open (see the module)."""
+    rng = np.random.default_rng(seed)
+    size = min(STAGE1_CANDIDATES, len(chance))
+    opened = max(1, size * STAGE1_OPENED // STAGE1_CANDIDATES)
+    got: dict[str, list[float]] = {"random": [], **{m: [] for m in values}}
+    for _ in range(STAGE1_DRAWS):
+        cand = rng.choice(len(chance), size, replace=False)
+        got["random"].append(float(chance[cand[:opened]].mean()))
+        for m, v in values.items():
+            pick = cand[np.argsort(-v[cand], kind="stable")[:opened]]
+            got[m].append(float(chance[pick].mean()))
+    return {m: round(float(np.mean(g)), 4) for m, g in got.items()}
+
+
 def score(p: np.ndarray, y: np.ndarray) -> dict:
     from trace_lightning.math.calibration import brier_skill, spearman
     return {"brier_skill": round(float(brier_skill(p, y)), 4),
@@ -374,10 +411,38 @@ def study(data: dict, seed: int) -> dict:
         x = d["mean"][:, final] if kind == "roots" else d["last"][:, final]
         preds[kind]["knn"] = knn(x[tr], y[tr], x[te])
         out[kind] = {m: score(p, y[te]) for m, p in preds[kind].items()}
+        if kind == "roots":
+            out["stage1"] = root_stage1(d, tr, te, preds[kind], seed)
         out[kind]["ceiling"] = {"brier_skill": round(ceiling(y[te], d["n"][te]), 4)}
         out[f"{kind}_count"] = {"train": int(tr.sum()), "test": int(te.sum())}
         out[f"{kind}_success"] = round(float(y.mean()), 4)
     return out
+
+
+def root_stage1(d: dict, tr: np.ndarray, te: np.ndarray, point: dict[str, np.ndarray],
+                seed: int) -> dict:
+    """``stage1`` of the roots: every point reader, the neighbours, random and the ceiling."""
+    from trace_lightning.allocation.neighbours import RootNeighbours, neighbour_posterior
+    from trace_lightning.math.solvers import expected_root_values
+
+    g = min(STAGE1_GROUP, int(d["n"].min()))
+    successes = np.rint(d["label"] * d["n"])
+    chance = mixed_chance(successes[te], d["n"][te], g)
+    values = {m: 1 - p ** g - (1 - p) ** g for m, p in point.items()}
+    x = torch.tensor(d["last"][:, -1], dtype=torch.float32)  # the featuriser's root features
+    train, test = torch.from_numpy(np.flatnonzero(tr)), torch.from_numpy(np.flatnonzero(te))
+    nb = RootNeighbours()
+    v, c = neighbour_posterior(x[test], x[train],
+                               torch.tensor(successes[tr], dtype=torch.float32),
+                               torch.tensor(d["n"][tr], dtype=torch.float32),
+                               torch.zeros(len(test), len(train), dtype=torch.bool),
+                               torch.full((len(test),), float(d["label"][tr].mean())),
+                               nb.k, nb.strength)
+    values["neighbours"] = expected_root_values(v.tolist(), c.tolist(), g)[:, g]
+    values["neighbours_point"] = expected_root_values(v.tolist(), [None] * len(v), g)[:, g]
+    values["ceiling"] = chance
+    return {"group": g, "candidates": STAGE1_CANDIDATES, "opened": STAGE1_OPENED,
+            "draws": STAGE1_DRAWS, "mixed_chance": stage1(values, chance, seed)}
 
 
 def main(argv=None) -> dict:
@@ -404,6 +469,11 @@ def main(argv=None) -> dict:
                   f"{r[kind + '_success']:.3f}):  brier skill   spearman")
             for m, s in r[kind].items():
                 print(f"  {m:22s}{s['brier_skill']:12.3f}{s.get('spearman', float('nan')):11.3f}")
+        st = r["stage1"]
+        print(f"\n{name} stage 1: chance that a group of {st['group']} is mixed, "
+              f"{st['opened']} of {st['candidates']} opened")
+        for m, share in st["mixed_chance"].items():
+            print(f"  {m:22s}{share:12.3f}")
     out = args.out or (None if args.quick else provenance.RESULTS / "predictability.json")
     provenance.publish(result, stamp, out, demo_dir=args.demo_dir)
     return result

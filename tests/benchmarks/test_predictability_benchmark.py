@@ -78,4 +78,22 @@ def test_quick_mode_rolls_out_and_scores_end_to_end(bench, demo_dir, tmp_path):
     for kind in ("roots", "prefixes"):
         assert {"today", "mlp", "knn", "ceiling", "signals"} <= set(warm[kind])
     assert {"outcomes", "siblings", "depth"} <= set(warm["prefixes"])
+    # stage 1: every root reader, the neighbours, random and the ceiling, each a chance
+    shares = warm["stage1"]["mixed_chance"]
+    assert set(warm["roots"]) - {"ceiling"} | {"random", "neighbours", "neighbours_point",
+                                               "ceiling"} == set(shares)
+    assert all(0 <= v <= 1 for v in shares.values())
+    assert shares["ceiling"] >= max(shares.values()) - 1e-9  # the true chance ranks best
     assert len(list((tmp_path / "cache").glob("warm-*.npz"))) == 1  # the labelled set kept
+
+
+def test_mixed_chance_and_stage1_by_hand(bench):
+    """4 of 4 rollouts with 2 right: always mixed; 1 right of 5: the group of 4 misses it in
+    C(4, 4) of C(5, 4) = 1 of 5 draws, so 0.8; none right: never. Three candidates open one
+    (32 of 192 is a sixth, at least one): the reader valuing prompt 1 most opens it in every
+    draw."""
+    chance = bench.mixed_chance(np.array([2, 1, 0]), np.array([4, 5, 4]), 4)
+    assert chance.tolist() == pytest.approx([1.0, 0.8, 0.0])
+    got = bench.stage1({"likes_1": np.array([0.0, 1.0, 0.5])}, chance, seed=0)
+    assert got["likes_1"] == pytest.approx(0.8)
+    assert 0 <= got["random"] <= 1
