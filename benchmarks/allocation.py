@@ -92,8 +92,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
 
 KINDS = ["uniform", "random_tree", "prompt", "trace", "trace_neighbours", "oracle"]
-# trace_neighbours: trace whose root predictions are also updated by the outcomes of the most
-# similar prompts rolled out before (RootNeighbours, --model.neighbours)
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
@@ -151,7 +149,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None,
                    help="also write the JSON line here (default docs/results/allocation.json; "
                         "none with --quick)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.kinds.split(",")) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"--kinds {args.kinds}: {', '.join(unknown)} unknown; the kinds are "
+                         f"{', '.join(KINDS)}")
+    if "trace_neighbours" in args.kinds.split(",") and args.neighbours < 1:
+        raise SystemExit(f"--neighbours {args.neighbours}: kind trace_neighbours reads that many "
+                         f"neighbours, at least 1; raise it or leave the kind out of --kinds")
+    return args
 
 
 class OnlinePredictor:
@@ -307,8 +313,8 @@ def main(argv=None) -> dict:
         return [questions[i] for i in rng.choice(len(questions), args.candidates, False)]
 
     def allocator(kind: str) -> Allocator:
-        return Allocator("trace" if kind == "trace_neighbours" else kind, roots=args.roots, continuations=args.continuations,
-                         max_rollouts_per_prompt=args.max_rollouts, group_size=args.group_size,
+        return Allocator("trace" if kind == "trace_neighbours" else kind, roots=args.roots,
+                         continuations=args.continuations, max_rollouts_per_prompt=args.max_rollouts, group_size=args.group_size,
                          explore_fraction=args.explore_fraction,
                          full_trust_skill=args.full_trust_skill or None,
                          skill_window=args.skill_window, seed=args.seed)
@@ -316,12 +322,8 @@ def main(argv=None) -> dict:
     history = (PromptHistory(args.history, args.history_decay, belief=args.history_belief)
                if args.history > 0 else None)
     kinds = args.kinds.split(",")
-    unknown = sorted(set(kinds) - set(KINDS))
-    if unknown or ("trace_neighbours" in kinds and args.neighbours < 1):
-        raise SystemExit(f"--kinds {args.kinds}: kinds are {', '.join(KINDS)}, and "
-                         f"trace_neighbours needs --neighbours >= 1 (got {args.neighbours})")
     neighbours = (RootNeighbours(args.neighbours, args.neighbours_strength)
-                  if args.neighbours > 0 else None)
+                  if "trace_neighbours" in kinds else None)
     predictor = OnlinePredictor(policy, args.seed, args.featuriser, args.shrink, history,
                                 args.prefix_outcomes, neighbours)
     tic = time.perf_counter()

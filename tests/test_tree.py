@@ -9,7 +9,9 @@ import re
 
 import pytest
 
-from trace_lightning.tree import Budget, RolloutTree, read_jsonl, write_jsonl
+from trace_lightning.tree import Budget, RolloutTree, bare_rewards, read_jsonl, write_jsonl
+
+from builders.trees import tree_with_continuations
 
 SEEDS = list(range(8))
 
@@ -275,3 +277,9 @@ def test_a_node_field_the_tree_does_not_know_is_one_clear_error():
     with pytest.raises(ValueError, match=r"has node fields \['em'\] that RolloutTree's nodes "
                                          r"do not have: it was written by another version"):
         RolloutTree.from_dict(d)
+
+
+def test_bare_rewards_follow_each_bare_rollout_not_its_continuations():
+    # bare paths end at a1 (0), b1 (1) and c (0); the continuations a2, b2 (both 1) are not
+    assert bare_rewards(tree_with_continuations()) == [0.0, 1.0, 0.0]
+    assert bare_rewards(RolloutTree.new("q", "q?", ["x"], [1])) == []

@@ -241,6 +241,12 @@ def bare_end(tree: RolloutTree, start: int) -> Node:
     return node
 
 
+def bare_rewards(tree: RolloutTree) -> list[float]:
+    """The terminal rewards of the tree's bare rollouts, in rollout order (``bare_reward``
+    of each)."""
+    return [bare_reward(tree, tree.nodes[i].rollout) for i in tree.bare_rollouts()]
+
+
 def bare_reward(tree: RolloutTree, rollout: int) -> float:
     """The terminal reward of bare rollout ``rollout``'s own chain (``bare_end``); raises
     unless that rollout is finished and scored."""

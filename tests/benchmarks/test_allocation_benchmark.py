@@ -79,3 +79,11 @@ def test_rollout_schedule_quick_mode_end_to_end(schedule, demo_dir, results_dir,
     for kind, ratio in line["ratios"].items():
         assert len(ratio["per_step"]) == 2 and ratio["two_wave_over_overlap_rollout_s"] > 0
     assert line["ratios"] == result["ratios"]  # floats survive JSON exactly
+
+
+def test_unknown_kinds_and_no_neighbours_fail_before_any_work(allocation):
+    with pytest.raises(SystemExit, match=r"--kinds trace,grpo: grpo unknown; the kinds are"):
+        allocation.parse_args(["--kinds", "trace,grpo"])
+    with pytest.raises(SystemExit, match=r"--neighbours 0: kind trace_neighbours reads"):
+        allocation.parse_args(["--neighbours", "0"])
+    assert allocation.parse_args(["--neighbours", "0", "--kinds", "trace"]).neighbours == 0

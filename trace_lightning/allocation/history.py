@@ -44,7 +44,7 @@ import logging
 import math
 from collections.abc import Iterable
 
-from trace_lightning.tree import bare_reward
+from trace_lightning.tree import bare_rewards
 from trace_lightning.tree import RolloutTree
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class PromptHistory:
         """One step's bare-rollout outcomes per tree, ready for ``record``."""
         out = []
         for t in trees:
-            rewards = [bare_reward(t, t.nodes[i].rollout) for i in t.bare_rollouts()]
+            rewards = bare_rewards(t)
             if rewards:
                 out.append((t.tree_id, step, float(sum(rewards)), float(len(rewards))))
         return out

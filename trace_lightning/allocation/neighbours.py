@@ -21,9 +21,9 @@ the neighbours' spread (method of moments: a Beta with mean ``v`` and variance `
 neighbourhood split between 0 and 1 gives a small ``c`` (a group there is rarely mixed), one
 of prompts all near ``v`` a large one.
 
-Similarity is the cosine
-of the root features (the featuriser's vector at the prompt's last token), each dimension
-standardised by the memory's mean and spread so that no few large dimensions decide it.
+Similarity is the cosine of the root features (the featuriser's vector at the prompt's last
+token), each dimension standardised by the memory's mean and spread so that no few large
+dimensions decide it.
 The prompt's own earlier rows are never its neighbours: its own past is the prompt
 history's evidence (``PromptHistory``, applied after this one).
 
@@ -40,9 +40,9 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from trace_lightning.tree import RolloutTree, bare_reward
+from trace_lightning.allocation.features import NodeKey
+from trace_lightning.tree import RolloutTree, bare_rewards
 
-NodeKey = tuple[str, int]
 # (prompt id, root features (D,), successes, bare rollouts)
 Row = tuple[str, Tensor, float, float]
 
@@ -53,11 +53,10 @@ def root_rows(trees: Iterable[RolloutTree], features: Mapping[NodeKey, Tensor]) 
     rows = []
     for t in trees:
         x = features.get((t.tree_id, t.root.id))
-        bare = t.bare_rollouts()
-        if x is None or not bare:
-            continue
-        s = sum(bare_reward(t, t.nodes[i].rollout) for i in bare)
-        rows.append((t.tree_id, x.detach().float().cpu(), float(s), float(len(bare))))
+        rewards = bare_rewards(t)
+        if x is not None and rewards:
+            rows.append((t.tree_id, x.detach().float().cpu(), float(sum(rewards)),
+                         float(len(rewards))))
     return rows
 
 

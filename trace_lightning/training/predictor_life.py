@@ -4,8 +4,8 @@ rollout, what it learns after the update, its optimizer, and what of it a checkp
 ``TraceModule`` owns the predictor itself (an ``nn.Module``, so its weights travel in the
 module's state dict as ``predictor.*``) and one ``PredictorLife`` for the rest: the
 featuriser, the replay of recent steps' nodes, the root neighbours' memory, the prompt
-history, the prefix posterior, the predictor's own AdamW and its counters. The predictor steers allocation only; it never
-enters the policy gradient.
+history, the prefix posterior, the predictor's own AdamW and its counters. The predictor
+steers allocation only; it never enters the policy gradient.
 
 One step's order:
 
